@@ -1,0 +1,1 @@
+"""GEARS perturbation-response models: fast data layer, model, and one training engine."""

@@ -1,0 +1,304 @@
+"""The GEARS facade of `cell-gears`: model_initialize, train, predict, GI_predict, save/load."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, fields
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gears import checkpoint as ckpt
+from gears.config import DistributedConfig, ModelConfig, TrainConfig
+from gears.data.conditions import CTRL, canonical_condition, condition_genes
+from gears.distributed import DistEnv, choose_device
+from gears.engine import Trainer
+from gears.errors import GearsInputError
+from gears.evaluate import Evaluator, predict_deltas
+from gears.model.network import GEARSNet
+
+MODEL_FILE, CONFIG_FILE = "model.pt", "config.json"
+
+
+class GEARS:
+    """Train and query a GEARS model on a PertData (after `prepare_split`)."""
+
+    def __init__(
+        self,
+        pert_data,
+        device: str = "auto",
+        weight_bias_track: bool = False,
+        proj_name: str = "GEARS",
+        exp_name: str = "GEARS",
+        env: DistEnv | None = None,
+        wandb_run=None,
+        out_dir: str | Path | None = None,
+        seed: int = 1,
+    ):
+        self.pert_data = pert_data
+        self.env = env or DistEnv(device=choose_device(device))
+        self.device = self.env.device
+        self.wandb = wandb_run
+        if weight_bias_track and wandb_run is None:
+            import wandb
+
+            self.wandb = wandb.init(project=proj_name, name=exp_name)
+        self.out_dir = out_dir
+        self.seed = seed
+        self.config: dict | None = None
+        self.model: GEARSNet | None = None
+        self.trainer: Trainer | None = None
+        self.history = None
+        self.gene_list = list(pert_data.gene_names)
+        self.pert_list = list(pert_data.pert_names)
+        self.ctrl_expression = pert_data.ctrl_mean
+
+    # --------------------------------------------------------------------------------- model
+    def model_initialize(
+        self,
+        hidden_size: int = 64,
+        num_go_gnn_layers: int = 1,
+        num_gene_gnn_layers: int = 1,
+        decoder_hidden_size: int = 16,
+        num_similar_genes_go_graph: int = 20,
+        num_similar_genes_co_express_graph: int = 20,
+        coexpress_threshold: float = 0.4,
+        go_threshold: float = 0.1,
+        uncertainty: bool = False,
+        uncertainty_reg: float = 1.0,
+        direction_lambda: float = 1e-1,
+        direction_temperature: float = 0.1,
+        gamma: float = 2.0,
+        G_go=None,
+        G_go_weight=None,
+        G_coexpress=None,
+        G_coexpress_weight=None,
+        no_perturb: bool = False,
+    ) -> GEARS:
+        """Build the network and its two graphs (GEARS's argument names; decoder_hidden_size
+        and no_perturb are accepted for compatibility and unused, as in the original)."""
+        pd_ = self.pert_data
+        if G_go is None:
+            go = pd_.go_graph(num_similar_genes_go_graph, go_threshold)
+            G_go, G_go_weight = go.edge_index, go.edge_weight
+        if G_coexpress is None:
+            co = pd_.coexpress_graph(num_similar_genes_co_express_graph, coexpress_threshold)
+            G_coexpress, G_coexpress_weight = co.edge_index, co.edge_weight
+        self.config = {
+            "hidden_size": hidden_size,
+            "num_go_gnn_layers": num_go_gnn_layers,
+            "num_gene_gnn_layers": num_gene_gnn_layers,
+            "uncertainty": uncertainty,
+            "uncertainty_reg": uncertainty_reg,
+            "direction_lambda": direction_lambda,
+            "direction_temperature": direction_temperature,
+            "gamma": gamma,
+            "num_similar_genes_go_graph": num_similar_genes_go_graph,
+            "num_similar_genes_co_express_graph": num_similar_genes_co_express_graph,
+            "coexpress_threshold": coexpress_threshold,
+            "go_threshold": go_threshold,
+            "num_genes": len(self.gene_list),
+            "num_perts": len(self.pert_list),
+        }
+        self._build(
+            torch.as_tensor(G_go),
+            torch.as_tensor(G_go_weight),
+            torch.as_tensor(G_coexpress),
+            torch.as_tensor(G_coexpress_weight),
+        )
+        return self
+
+    def _build(self, go_ei, go_w, co_ei, co_w) -> None:
+        c = self.config
+        self.model = GEARSNet(
+            c["num_genes"],
+            c["num_perts"],
+            go_ei,
+            go_w,
+            co_ei,
+            co_w,
+            hidden_size=c["hidden_size"],
+            num_go_gnn_layers=c["num_go_gnn_layers"],
+            num_gene_gnn_layers=c["num_gene_gnn_layers"],
+            uncertainty=c["uncertainty"],
+        ).to(self.device)
+        self.graphs = {"go": (go_ei, go_w), "coexpress": (co_ei, co_w)}
+
+    def model_config(self) -> ModelConfig:
+        names = {f.name for f in fields(ModelConfig)}
+        return ModelConfig(**{k: v for k, v in self.config.items() if k in names})
+
+    # ---------------------------------------------------------------------------------- train
+    def train(
+        self,
+        epochs: int = 20,
+        lr: float = 1e-3,
+        weight_decay: float = 5e-4,
+        train_cfg: TrainConfig | None = None,
+        dist_cfg: DistributedConfig | None = None,
+        resume: bool = False,
+        progress: bool = True,
+        **train_kwargs,
+    ):
+        """Train with the shared engine; keeps the best-validation weights (GEARS's best_model)."""
+        if self.model is None:
+            raise GearsInputError("call model_initialize() before train()")
+        cfg = train_cfg or TrainConfig(
+            epochs=epochs, lr=lr, weight_decay=weight_decay, **train_kwargs
+        )
+        loaders = self.pert_data.dataloader
+        if loaders is None or "train_loader" not in loaders:
+            loaders = self.pert_data.get_dataloader_distributed(
+                cfg.batch_size,
+                cfg.test_batch_size,
+                self.env.world_size,
+                self.env.rank,
+                num_workers=cfg.num_workers,
+                batching=cfg.batching,
+                cells_per_group=cfg.cells_per_group,
+                pin_memory=self.device.type == "cuda",
+            )
+        if "train_loader" not in loaders:
+            raise GearsInputError(f"split {self.pert_data.split.split_type!r} has no training set")
+        self.trainer = Trainer(
+            self.model,
+            self.pert_data,
+            cfg,
+            self.model_config(),
+            self.env,
+            out_dir=self.out_dir,
+            dist_cfg=dist_cfg,
+            wandb_run=self.wandb,
+            seed=self.seed,
+        )
+        if resume or cfg.resume:
+            self.trainer.resume()
+        self.history = self.trainer.fit(loaders, progress=progress)
+        self.best_model = self.model
+        return self.history
+
+    # -------------------------------------------------------------------------------- predict
+    def _pert_rows(self, pert_list: list[list[str]]) -> np.ndarray:
+        rows = np.full((len(pert_list), 2), -1, dtype=np.int64)
+        index = self.pert_data.node_map_pert
+        for i, genes in enumerate(pert_list):
+            genes = [genes] if isinstance(genes, str) else list(genes)
+            genes = [g for g in genes if g != CTRL]
+            if len(genes) > 2:
+                raise GearsInputError(f"perturbation {genes} has more than two genes")
+            for slot, gene in enumerate(genes):
+                if gene not in index:
+                    raise GearsInputError(
+                        f"gene {gene!r} is not in the perturbation graph (genes with GO "
+                        "annotations among the measured and perturbed genes); it cannot be "
+                        "predicted"
+                    )
+                rows[i, slot] = index[gene]
+        return rows
+
+    def predict(self, pert_list: list[list[str]]):
+        """Mean expression after each perturbation (dict keyed 'A' or 'A_B', as GEARS).
+
+        The response is computed once per perturbation and added to the control mean (the exact
+        mean of GEARS's per-control-cell predictions). With uncertainty, also returns a confidence
+        per perturbation: exp(-mean log-variance), GEARS's definition.
+        """
+        if self.model is None:
+            raise GearsInputError("no model: call model_initialize()+train() or load_pretrained()")
+        delta, logvar = predict_deltas(self.model, self._pert_rows(pert_list))
+        keys = ["_".join(g for g in ([p] if isinstance(p, str) else p)) for p in pert_list]
+        pred = {k: delta[i] + self.ctrl_expression for i, k in enumerate(keys)}
+        if logvar is not None:
+            return pred, {k: float(np.exp(-logvar[i].mean())) for i, k in enumerate(keys)}
+        return pred
+
+    def GI_predict(self, combo: list[str], GI_genes_file: str | None = None) -> dict:
+        """Genetic-interaction scores of a double from predicted changes versus control."""
+        from gears.metrics import gi_params
+
+        if len(combo) != 2:
+            raise GearsInputError(f"GI_predict needs two genes, got {combo}")
+        pred = self.predict([[combo[0]], [combo[1]], list(combo)])
+        pred = pred[0] if isinstance(pred, tuple) else pred
+        genes = np.arange(len(self.gene_list))
+        if GI_genes_file is not None:
+            wanted = set(np.load(GI_genes_file, allow_pickle=True).astype(str))
+            genes = np.array([i for i, g in enumerate(self.gene_list) if g in wanted])
+        ctrl = self.ctrl_expression
+        first, second, double = (
+            pred[k][genes] - ctrl[genes] for k in (combo[0], combo[1], f"{combo[0]}_{combo[1]}")
+        )
+        return gi_params(first, second, double)
+
+    def plot_perturbation(self, query: str, save_file: str | Path | None = None):
+        """GEARS's plot: true per-cell changes on the top-20 DE genes with the prediction."""
+        from gears.plotting import plot_perturbation
+
+        cond = canonical_condition(query)
+        pred = self.predict([condition_genes(cond)])
+        pred = pred[0] if isinstance(pred, tuple) else pred
+        return plot_perturbation(self.pert_data, cond, next(iter(pred.values())), save_file)
+
+    def evaluate(self, set_name: str = "test") -> dict:
+        return Evaluator(self.pert_data, self.env, self.model).full(set_name)
+
+    # ---------------------------------------------------------------------------- save / load
+    def save_model(self, path: str | Path) -> None:
+        """A folder with config.json and model.pt (weights without any DDP `module.` prefix,
+        plus the graphs and gene lists, so loading needs no graph rebuild)."""
+        if not self.env.is_main:
+            return
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        meta = dict(self.config, gene_names=self.gene_list, pert_names=self.pert_list)
+        (path / CONFIG_FILE).write_text(json.dumps(meta, indent=1))
+        state = {
+            "state_dict": self.model.state_dict(),
+            "graphs": {k: (v[0].cpu(), v[1].cpu()) for k, v in self.graphs.items()},
+            "ctrl_expression": np.asarray(self.ctrl_expression),
+        }
+        ckpt.atomic_save(state, path / MODEL_FILE)
+
+    def load_pretrained(self, path: str | Path) -> GEARS:
+        path = Path(path)
+        if not (path / CONFIG_FILE).exists():
+            raise GearsInputError(f"{path} has no {CONFIG_FILE}: not a saved GEARS model folder")
+        meta = json.loads((path / CONFIG_FILE).read_text())
+        if meta["gene_names"] != self.gene_list:
+            raise GearsInputError(
+                f"the model at {path} was trained on {len(meta['gene_names'])} genes that differ "
+                f"from this PertData's {len(self.gene_list)} genes; load the same dataset"
+            )
+        if meta["pert_names"] != self.pert_list:
+            raise GearsInputError(
+                f"the model at {path} has a different perturbation vocabulary "
+                "from this PertData (different GO source or dataset)"
+            )
+        state = ckpt.load(path / MODEL_FILE, map_location="cpu")
+        self.config = {k: v for k, v in meta.items() if k not in ("gene_names", "pert_names")}
+        (go_ei, go_w), (co_ei, co_w) = state["graphs"]["go"], state["graphs"]["coexpress"]
+        self._build(go_ei, go_w, co_ei, co_w)
+        weights = {k.removeprefix("module."): v for k, v in state["state_dict"].items()}
+        self.model.load_state_dict(weights)
+        self.best_model = self.model
+        return self
+
+
+def model_kwargs(cfg: ModelConfig, data_cfg) -> dict:
+    """model_initialize() arguments from the run config sections."""
+    m = asdict(cfg)
+    return {
+        "hidden_size": m["hidden_size"],
+        "num_go_gnn_layers": m["num_go_gnn_layers"],
+        "num_gene_gnn_layers": m["num_gene_gnn_layers"],
+        "uncertainty": m["uncertainty"],
+        "uncertainty_reg": m["uncertainty_reg"],
+        "direction_lambda": m["direction_lambda"],
+        "direction_temperature": m["direction_temperature"],
+        "gamma": m["gamma"],
+        "num_similar_genes_go_graph": data_cfg.go_top_k,
+        "go_threshold": data_cfg.go_threshold,
+        "num_similar_genes_co_express_graph": data_cfg.coexpress_top_k,
+        "coexpress_threshold": data_cfg.coexpress_threshold,
+    }

@@ -1,0 +1,283 @@
+"""Typed run configuration: defaults, YAML files, dotted `key=value` overrides, strict keys."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from gears.errors import GearsInputError
+
+
+@dataclass
+class DataConfig:
+    dataset: str = "synthetic"  # synthetic | norman | adamson | dixit | replogle_* | path.h5ad
+    data_dir: str = "data"
+    gene2go: str | None = None  # GO source path; None = dataset default
+    gene_aliases: str | None = None  # alias<TAB>SYMBOL table for GO lookups
+    keep_unmapped_perts: bool = False
+    synthetic: dict = field(default_factory=dict)  # make_synthetic() arguments
+    go_top_k: int = 20
+    go_threshold: float = 0.1
+    coexpress_top_k: int = 20
+    coexpress_threshold: float = 0.4
+
+
+@dataclass
+class SplitConfig:
+    type: str = "simulation"
+    seed: int = 1
+    train_gene_set_size: float = 0.75
+    combo_seen2_train_frac: float = 0.75
+    test_size: float = 0.1
+    val_size: float = 0.1
+    split_dict_path: str | None = None
+
+
+@dataclass
+class ModelConfig:
+    hidden_size: int = 64
+    num_go_gnn_layers: int = 1
+    num_gene_gnn_layers: int = 1
+    uncertainty: bool = False
+    uncertainty_reg: float = 1.0
+    direction_lambda: float = 0.1
+    direction_temperature: float = 0.1
+    gamma: float = 2.0
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 20
+    batch_size: int = 32
+    test_batch_size: int = 128
+    lr: float = 1e-3
+    weight_decay: float = 5e-4
+    schedule: str = "step"  # step (GEARS: x0.5 each epoch) | cosine | constant
+    step_gamma: float = 0.5
+    grad_clip: float = 1.0  # gradient value clip, as GEARS; 0 disables
+    grad_accum_steps: int = 1
+    precision: str = "fp32"  # fp32 | bf16 | fp16 (CUDA only)
+    batching: str = "random"  # random | grouped (K perturbations x cells_per_group cells)
+    cells_per_group: int = 4
+    checkpoint_every: int = 1
+    resume: bool = False
+    early_stopping_patience: int = 0  # epochs without val improvement; 0 = off
+    freeze_batchnorm: bool = False  # batch-norm uses running statistics while training
+    limit_batches: int = 0  # batches per epoch and process; 0 = all (smoke tests, benchmarks)
+    num_workers: int = 0
+    log_every: int = 50
+    plot_conditions: int = 4
+
+
+@dataclass
+class DistributedConfig:
+    backend: str = "auto"  # auto (nccl with CUDA, else gloo) | nccl | gloo
+    gpu_ids: list | None = None
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0  # 0 = pick a free port (mp.spawn launcher)
+    timeout_s: int = 300
+    sync_batchnorm: bool = False
+    find_unused_parameters: bool = False
+    static_graph: bool = False
+    gradient_as_bucket_view: bool = True
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"  # disabled | offline | online
+    project: str = "gears"
+    entity: str | None = None
+    name: str | None = None
+
+
+@dataclass
+class Config:
+    seed: int = 1
+    out_dir: str = "runs/default"
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    data: DataConfig = field(default_factory=DataConfig)
+    split: SplitConfig = field(default_factory=SplitConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+
+CHOICES = {
+    "train.schedule": ("step", "cosine", "constant"),
+    "train.precision": ("fp32", "bf16", "fp16"),
+    "train.batching": ("random", "grouped"),
+    "distributed.backend": ("auto", "nccl", "gloo"),
+    "wandb.mode": ("disabled", "offline", "online"),
+    "split.type": (
+        "simulation",
+        "simulation_single",
+        "combo_seen0",
+        "combo_seen1",
+        "combo_seen2",
+        "single",
+        "no_test",
+        "no_split",
+        "custom",
+    ),
+}
+
+
+def valid_keys(cls=Config, prefix: str = "") -> list[str]:
+    """Every dotted key a config accepts (dict-valued keys accept any sub-key)."""
+    keys = []
+    for f in fields(cls):
+        if dataclasses.is_dataclass(
+            f.default_factory if f.default_factory is not dataclasses.MISSING else None
+        ):
+            keys += valid_keys(f.default_factory, f"{prefix}{f.name}.")
+        else:
+            keys.append(f"{prefix}{f.name}")
+    return keys
+
+
+def _coerce(value: Any, annotation, key: str) -> Any:
+    """Turn a YAML/CLI value into the field's type, or raise naming the key."""
+    if isinstance(annotation, str):
+        annotation = eval(annotation, vars(typing), {})  # noqa: S307 - our own annotations only
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in ("null", "none")):
+            if type(None) in args:
+                return None
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(value, arg, key)
+            except GearsInputError:
+                continue
+        raise GearsInputError(f"config key {key!r}: cannot read {value!r} as {annotation}")
+    try:
+        if annotation is bool:
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() in ("true", "1", "yes", "on"):
+                return True
+            if str(value).lower() in ("false", "0", "no", "off"):
+                return False
+            raise ValueError
+        if annotation is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(float(value)) if isinstance(value, str) else int(value)
+        if annotation is float:
+            return float(value)
+        if annotation is str:
+            if isinstance(value, (dict, list)):
+                raise ValueError
+            return str(value)
+        if annotation is dict or origin is dict:
+            value = yaml.safe_load(value) if isinstance(value, str) else value
+            if not isinstance(value, dict):
+                raise ValueError
+            return dict(value)
+        if annotation is list or origin is list:
+            value = yaml.safe_load(value) if isinstance(value, str) else value
+            if isinstance(value, (int, str)):
+                value = [value]
+            return list(value)
+    except (TypeError, ValueError):
+        name = getattr(annotation, "__name__", annotation)
+        raise GearsInputError(f"config key {key!r}: {value!r} is not a valid {name}") from None
+    return value
+
+
+def _unknown(key: str) -> GearsInputError:
+    keys = valid_keys()
+    close = difflib.get_close_matches(key, keys, n=3)
+    hint = f" Did you mean {', '.join(close)}?" if close else ""
+    return GearsInputError(f"unknown config key {key!r}.{hint} Valid keys: {', '.join(keys)}")
+
+
+def _set(cfg: Config, dotted: str, value: Any) -> None:
+    obj, parts = cfg, dotted.split(".")
+    for i, part in enumerate(parts):
+        names = {f.name: f for f in fields(obj)}
+        if part not in names:
+            raise _unknown(dotted)
+        f = names[part]
+        current = getattr(obj, part)
+        last = i == len(parts) - 1
+        if dataclasses.is_dataclass(current):
+            if last:
+                if not isinstance(value, dict):
+                    raise GearsInputError(f"config key {dotted!r} is a section; set its keys")
+                for k, v in value.items():
+                    _set(cfg, f"{dotted}.{k}", v)
+                return
+            obj = current
+            continue
+        if isinstance(current, dict) and not last:  # free-form dict (data.synthetic)
+            sub = yaml.safe_load(value) if isinstance(value, str) else value
+            current[".".join(parts[i + 1 :])] = sub
+            return
+        if not last:
+            raise _unknown(dotted)
+        new = _coerce(value, f.type, dotted)
+        choices = CHOICES.get(dotted)
+        if choices and new not in choices:
+            raise GearsInputError(f"config key {dotted!r} must be one of {choices}, got {new!r}")
+        setattr(obj, part, new)
+        return
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: list[str] | None = None,
+    base: str | Path | None = None,
+) -> Config:
+    """Defaults <- `base` YAML (configs/default.yaml) <- `path` YAML <- `key=value` overrides."""
+    cfg = Config()
+    for p in (base, path):
+        if p is None:
+            continue
+        p = Path(p)
+        if not p.exists():
+            raise GearsInputError(f"config file {p} does not exist")
+        data = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(data, dict):
+            raise GearsInputError(f"config file {p} must hold a mapping of keys, not {type(data)}")
+        for k, v in data.items():
+            _set(cfg, k, v)
+    for item in overrides or []:
+        if "=" not in item:
+            raise GearsInputError(
+                f"override {item!r} must look like key=value (e.g. train.epochs=5)"
+            )
+        key, value = item.split("=", 1)
+        _set(cfg, key.strip(), yaml.safe_load(value) if value.strip() else "")
+    _check(cfg)
+    return cfg
+
+
+def _check(cfg: Config) -> None:
+    t = cfg.train
+    for key, val in (
+        ("train.epochs", t.epochs),
+        ("train.batch_size", t.batch_size),
+        ("train.grad_accum_steps", t.grad_accum_steps),
+        ("train.checkpoint_every", t.checkpoint_every),
+        ("model.hidden_size", cfg.model.hidden_size),
+    ):
+        if val < 1:
+            raise GearsInputError(f"config key {key!r} must be >= 1, got {val}")
+    if t.lr <= 0:
+        raise GearsInputError(f"config key 'train.lr' must be > 0, got {t.lr}")

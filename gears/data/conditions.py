@@ -1,0 +1,77 @@
+"""Condition spellings: map the names found in the wild to GEARS's canonical `ctrl`, `A+ctrl`, `A+B`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import pandas as pd
+
+from gears.errors import GearsInputError
+
+CTRL = "ctrl"
+# Spellings of "no perturbation" seen in public screens (compared case-insensitively).
+CONTROL_SPELLINGS = frozenset(
+    {"ctrl", "control", "non-targeting", "nontargeting", "non_targeting", "nt", "safe-targeting"}
+)
+
+
+def canonical_condition(name: str, sep: str = "+", control_names: Iterable[str] = ()) -> str:
+    """One condition name -> `ctrl`, `A+ctrl` or `A+B` (the two genes sorted).
+
+    Accepts `ctrl`/`control`/`non-targeting` (and `control_names`), `A`, `A+ctrl`, `ctrl+A`, `A+B`,
+    with `sep` as the separator of the input. Raises GearsInputError for more than two genes or an
+    empty gene name.
+    """
+    controls = CONTROL_SPELLINGS | {c.lower() for c in control_names}
+    text = str(name).strip()
+    if text.lower() in controls:
+        return CTRL
+    parts = [p.strip() for p in text.split(sep)]
+    genes = [p for p in parts if p.lower() not in controls]
+    if any(g == "" for g in genes) or not parts:
+        raise GearsInputError(f"condition {name!r} has an empty gene name (separator {sep!r})")
+    if not genes:
+        return CTRL
+    if len(genes) == 1:
+        return f"{genes[0]}+{CTRL}"
+    if len(genes) == 2:
+        a, b = sorted(genes)
+        if a == b:
+            raise GearsInputError(f"condition {name!r} names the same gene twice")
+        return f"{a}+{b}"
+    raise GearsInputError(
+        f"condition {name!r} perturbs {len(genes)} genes; GEARS models single and double "
+        "perturbations only (drop these cells or split them into a separate analysis)"
+    )
+
+
+def canonicalize_conditions(
+    values: Sequence[str] | pd.Series, sep: str = "+", control_names: Iterable[str] = ()
+) -> np.ndarray:
+    """Vector version of `canonical_condition`: each distinct spelling is parsed once. -> [cells] str."""
+    series = pd.Series(np.asarray(values, dtype=object)).astype(str)
+    codes, uniques = pd.factorize(series)
+    mapped = np.array(
+        [canonical_condition(u, sep=sep, control_names=control_names) for u in uniques],
+        dtype=object,
+    )
+    return mapped[codes]
+
+
+def condition_genes(condition: str) -> list[str]:
+    """Genes a canonical condition perturbs: `ctrl` -> [], `A+ctrl` -> [A], `A+B` -> [A, B]."""
+    return [g for g in condition.split("+") if g != CTRL]
+
+
+def is_single(condition: str) -> bool:
+    return len(condition_genes(condition)) == 1
+
+
+def is_double(condition: str) -> bool:
+    return len(condition_genes(condition)) == 2
+
+
+def genes_of(conditions: Iterable[str]) -> list[str]:
+    """Sorted unique genes perturbed by any of `conditions`."""
+    return sorted({g for c in conditions for g in condition_genes(c)})

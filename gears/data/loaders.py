@@ -1,0 +1,248 @@
+"""Batches gathered from tensors: expression kept once, examples as (control row, cell row, condition)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
+
+import numpy as np
+import scipy.sparse as sp
+import torch
+from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, Sampler
+
+# Dense expression up to this many bytes; larger screens stay CSR and are densified per batch.
+DENSE_LIMIT_BYTES = 8 * 1024**3
+
+
+class ExpressionMatrix:
+    """One copy of the [cells, genes] float32 expression, dense tensor or CSR, indexed per batch."""
+
+    def __init__(self, X, dense_limit_bytes: int = DENSE_LIMIT_BYTES):
+        n, g = X.shape
+        self.shape = (n, g)
+        if sp.issparse(X) and n * g * 4 > dense_limit_bytes:
+            self.dense = None
+            self.csr = sp.csr_matrix(X, dtype=np.float32)
+        else:
+            array = X.toarray() if sp.issparse(X) else np.asarray(X)
+            self.dense = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+            self.csr = None
+
+    def rows(self, idx: np.ndarray) -> torch.Tensor:
+        """[len(idx), genes] float32."""
+        if self.dense is not None:
+            return self.dense[torch.from_numpy(np.asarray(idx, dtype=np.int64))]
+        return torch.from_numpy(self.csr[idx].toarray())
+
+    def numpy(self):
+        """The matrix as numpy (dense) or scipy CSR, without copying the dense tensor."""
+        return self.dense.numpy() if self.dense is not None else self.csr
+
+
+def pairing_hash(seed: int, epoch: int, example: np.ndarray) -> np.ndarray:
+    """splitmix64 of (seed, epoch, example index): a counter-based draw, independent of rank.
+
+    example [n] int -> [n] uint64. The same example gets the same control cell in an epoch whatever
+    the world size, batch size or order in which examples are visited.
+    """
+    with np.errstate(over="ignore"):
+        z = np.asarray(example, dtype=np.uint64)
+        z = z + np.uint64((seed * 0x9E3779B1 + epoch * 0x85EBCA77 + 1) & 0xFFFFFFFFFFFFFFFF)
+        z = z * np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+@dataclass
+class Batch:
+    """One batch. Shapes: B examples, G genes, P = 2 perturbation slots, U unique conditions."""
+
+    x: torch.Tensor  # [B, G] paired control cell (the residual input)
+    y: torch.Tensor  # [B, G] observed perturbed cell
+    pert_index: torch.Tensor  # [B, P] long, indices into the perturbation vocabulary, -1 padded
+    cond: torch.Tensor  # [B] long, condition ids
+    de_idx: torch.Tensor  # [B, 20] long, top-20 DE gene indices of the condition, -1 padded
+    uniq_cond: torch.Tensor  # [U] long, the distinct conditions of the batch
+    uniq_pert_index: torch.Tensor  # [U, P] long
+    inverse: torch.Tensor  # [B] long, position of each example's condition in uniq_cond
+    counts: torch.Tensor  # [U] float, examples per distinct condition
+    example: torch.Tensor  # [B] long, example ids within the split set
+
+    def to(self, device, non_blocking: bool = False) -> Batch:
+        return Batch(**{f.name: getattr(self, f.name).to(device, non_blocking=non_blocking)
+                        for f in fields(self)})
+
+    def pin_memory(self) -> Batch:
+        return Batch(**{f.name: getattr(self, f.name).pin_memory() for f in fields(self)})
+
+    def __len__(self) -> int:
+        return self.cond.shape[0]
+
+
+class ExampleSet(Dataset):
+    """The examples of one split set; `dataset[list_of_example_ids]` gathers a whole Batch.
+
+    rows [n] cell rows (targets y), cond [n] condition ids. Control examples (condition `ctrl`) use
+    their own cell as input (x = y, as GEARS); every other example is paired with a control cell
+    drawn by `pairing_hash(seed, epoch, example id)`.
+    """
+
+    def __init__(self, expr: ExpressionMatrix, rows: np.ndarray, cond: np.ndarray,
+                 ctrl_rows: np.ndarray, ctrl_cond: int, cond_pert_index: np.ndarray,
+                 de_idx: np.ndarray, seed: int):
+        self.expr = expr
+        self.rows = np.asarray(rows, dtype=np.int64)
+        self.cond = np.asarray(cond, dtype=np.int64)
+        self.ctrl_rows = np.asarray(ctrl_rows, dtype=np.int64)
+        self.is_ctrl = self.cond == ctrl_cond
+        self.cond_pert_index = torch.as_tensor(cond_pert_index, dtype=torch.long)
+        self.de_idx = torch.as_tensor(de_idx, dtype=torch.long)
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.rows.shape[0]
+
+    def control_rows(self, example: np.ndarray, epoch: int | None = None) -> np.ndarray:
+        """The control cell row paired with each example in `epoch` (default: the current one)."""
+        epoch = self.epoch if epoch is None else epoch
+        draw = pairing_hash(self.seed, epoch, example) % np.uint64(len(self.ctrl_rows))
+        paired = self.ctrl_rows[draw.astype(np.int64)]
+        return np.where(self.is_ctrl[example], self.rows[example], paired)
+
+    def __getitem__(self, example) -> Batch:
+        example = np.asarray(example, dtype=np.int64)
+        y_rows = self.rows[example]
+        x_rows = self.control_rows(example)
+        # One gather for x and y together keeps the copy in a single pass.
+        xy = self.expr.rows(np.concatenate([x_rows, y_rows]))
+        cond_np = self.cond[example]
+        uniq, inverse, counts = np.unique(cond_np, return_inverse=True, return_counts=True)
+        cond = torch.from_numpy(cond_np)
+        uniq_t = torch.from_numpy(uniq)
+        return Batch(
+            x=xy[: len(example)],
+            y=xy[len(example):],
+            pert_index=self.cond_pert_index[cond],
+            cond=cond,
+            de_idx=self.de_idx[cond],
+            uniq_cond=uniq_t,
+            uniq_pert_index=self.cond_pert_index[uniq_t],
+            inverse=torch.from_numpy(inverse.reshape(-1).astype(np.int64)),
+            counts=torch.from_numpy(counts.astype(np.float32)),
+            example=torch.from_numpy(example),
+        )
+
+
+class ShardSampler(Sampler):
+    """Evaluation order: a contiguous 1/world_size share of the examples, no padding duplicates."""
+
+    def __init__(self, n: int, world_size: int = 1, rank: int = 0):
+        self.indices = np.array_split(np.arange(n), world_size)[rank].tolist()
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+class GroupedBatchSampler(Sampler):
+    """Batches of K conditions x M cells (`train.batching: grouped`), sharded by rank.
+
+    Each epoch (seeded by seed and epoch only) shuffles every condition's examples, cuts them into
+    groups of M, shuffles the groups and deals K * world_size groups per global step; rank r takes
+    groups [r*K, (r+1)*K) of each step, so the ranks' step-k batches together are the
+    single-process step-k batch. Incomplete final steps are dropped.
+    """
+
+    def __init__(self, cond: np.ndarray, cells_per_group: int, groups_per_batch: int,
+                 seed: int, world_size: int = 1, rank: int = 0):
+        self.cond = np.asarray(cond)
+        self.m, self.k = cells_per_group, groups_per_batch
+        self.seed, self.world_size, self.rank = seed, world_size, rank
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def _groups(self) -> list[np.ndarray]:
+        rng = np.random.default_rng([self.seed, self.epoch])
+        order = rng.permutation(len(self.cond))
+        # Stable sort by condition of a random permutation = every condition's examples shuffled.
+        shuffled = order[np.argsort(self.cond[order], kind="stable")]
+        bounds = np.flatnonzero(np.diff(self.cond[shuffled])) + 1
+        groups = []
+        for block in np.split(shuffled, bounds):
+            groups.extend(np.split(block, np.arange(self.m, len(block), self.m)))
+        return [groups[i] for i in rng.permutation(len(groups))]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        groups = self._groups()
+        per_step = self.k * self.world_size
+        for step in range(len(groups) // per_step):
+            mine = groups[step * per_step + self.rank * self.k: step * per_step + (self.rank + 1) * self.k]
+            yield np.concatenate(mine).tolist()
+
+    def __len__(self) -> int:
+        sizes = np.bincount(np.unique(self.cond, return_inverse=True)[1].reshape(-1))
+        n_groups = int(np.sum(-(-sizes // self.m)))
+        return n_groups // (self.k * self.world_size)
+
+
+class EpochLoader:
+    """A DataLoader over whole batches, with `set_epoch` reaching both sampler and pairing."""
+
+    def __init__(self, dataset: ExampleSet, batch_sampler, num_workers: int = 0,
+                 pin_memory: bool = False):
+        self.dataset = dataset
+        self.batch_sampler = batch_sampler
+        self.loader = DataLoader(dataset, sampler=batch_sampler, batch_size=None,
+                                 num_workers=num_workers, pin_memory=pin_memory)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.dataset.set_epoch(epoch)
+        inner = getattr(self.batch_sampler, "sampler", self.batch_sampler)
+        for s in {id(inner): inner, id(self.batch_sampler): self.batch_sampler}.values():
+            if hasattr(s, "set_epoch"):
+                s.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[Batch]:
+        return iter(self.loader)
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)
+
+
+def train_loader(dataset: ExampleSet, batch_size: int, *, seed: int, world_size: int = 1,
+                 rank: int = 0, batching: str = "random", cells_per_group: int = 4,
+                 drop_last: bool = True, num_workers: int = 0, pin_memory: bool = False
+                 ) -> EpochLoader:
+    """Shuffled training batches of `batch_size` per rank (random or grouped by condition)."""
+    if batching == "grouped":
+        if batch_size % cells_per_group:
+            from gears.errors import GearsInputError
+
+            raise GearsInputError(
+                f"train.batching=grouped needs train.batch_size ({batch_size}) to be a multiple "
+                f"of train.cells_per_group ({cells_per_group})"
+            )
+        sampler = GroupedBatchSampler(dataset.cond, cells_per_group, batch_size // cells_per_group,
+                                      seed, world_size, rank)
+    else:
+        inner = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
+                                   seed=seed, drop_last=False)
+        sampler = BatchSampler(inner, batch_size, drop_last=drop_last)
+    return EpochLoader(dataset, sampler, num_workers, pin_memory)
+
+
+def eval_loader(dataset: ExampleSet, batch_size: int, *, world_size: int = 1, rank: int = 0,
+                num_workers: int = 0, pin_memory: bool = False) -> EpochLoader:
+    """In-order evaluation batches over this rank's contiguous shard (no padding duplicates)."""
+    sampler = BatchSampler(ShardSampler(len(dataset), world_size, rank), batch_size,
+                           drop_last=False)
+    return EpochLoader(dataset, sampler, num_workers, pin_memory)

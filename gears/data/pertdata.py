@@ -1,0 +1,428 @@
+"""PertData: validate and process a Perturb-seq AnnData, split it, build gene graphs, serve tensors."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import anndata as ad
+import numpy as np
+import pandas as pd
+import scipy.sparse as sp
+
+from gears.data import de as de_mod
+from gears.data.conditions import CTRL, canonicalize_conditions, condition_genes, genes_of
+from gears.data.loaders import EpochLoader, ExampleSet, ExpressionMatrix, eval_loader, train_loader
+from gears.errors import GearsInputError
+
+PROCESSED_NAME = "perturb_processed.h5ad"
+N_DE = 20  # GEARS's "top-20 DE genes"
+N_DE_RANKED = 200  # longest DE list the metrics use (top-200 variants)
+
+
+def _finite_values(X) -> np.ndarray:
+    return X.data if sp.issparse(X) else np.asarray(X)
+
+
+def validate_adata(adata: ad.AnnData, condition_key: str = "condition") -> None:
+    """Raise GearsInputError naming the first problem found in a raw AnnData."""
+    if adata.n_obs == 0 or adata.n_vars == 0:
+        raise GearsInputError(f"the AnnData is empty ({adata.n_obs} cells x {adata.n_vars} genes)")
+    if condition_key not in adata.obs:
+        raise GearsInputError(
+            f"adata.obs has no {condition_key!r} column naming each cell's perturbation "
+            f"(columns present: {list(adata.obs.columns)}); add it, spelled 'ctrl' / 'A+ctrl' / "
+            "'A+B' (or 'control', 'A', 'A+B')"
+        )
+    values = _finite_values(adata.X)
+    n_bad = int(np.size(values) - np.isfinite(values).sum())
+    if n_bad:
+        raise GearsInputError(f"adata.X has {n_bad} NaN or infinite expression values")
+    if np.size(values) and values.min() < 0:
+        raise GearsInputError(
+            f"adata.X has negative values (min {values.min():.3g}); GEARS expects log-normalised "
+            "counts (sc.pp.normalize_total then sc.pp.log1p), not scaled or centred data"
+        )
+    names = gene_names_of(adata)
+    dup = names[names.duplicated()].unique()
+    if len(dup):
+        raise GearsInputError(
+            f"{len(dup)} duplicate gene names, e.g. {list(dup[:5])}; make them unique "
+            "(adata.var_names_make_unique()) or drop the duplicates"
+        )
+
+
+def gene_names_of(adata: ad.AnnData) -> pd.Index:
+    """Gene symbols: var['gene_name'] when present (GEARS's files), else var_names."""
+    if "gene_name" in adata.var:
+        return pd.Index(adata.var["gene_name"].astype(str).values)
+    return pd.Index(adata.var_names.astype(str))
+
+
+class PertData:
+    """A Perturb-seq screen ready for GEARS: conditions, DE genes, splits, gene graphs, tensors.
+
+    data_dir: where datasets are cached and processed files written.
+    gene2go: path of a gene -> GO source (GEARS pickle, TSV, GAF, GMT); None = the dataset's
+      default (the synthetic screen's own annotations, or GEARS's gene2go_all.pkl downloaded).
+    gene_aliases: optional `alias<TAB>SYMBOL` table used for symbols missing from the GO source.
+    keep_unmapped_perts: keep perturbations of genes without GO terms (they get no GO edges)
+      instead of dropping them as GEARS does.
+    """
+
+    def __init__(self, data_dir: str | Path = "data", gene2go: str | Path | None = None,
+                 gene_aliases: str | Path | None = None, keep_unmapped_perts: bool = False,
+                 seed: int = 1, verbose: bool = True):
+        self.data_dir = Path(data_dir)
+        self.gene2go_path = gene2go
+        self.gene_aliases_path = gene_aliases
+        self.keep_unmapped_perts = keep_unmapped_perts
+        self.seed = seed
+        self.verbose = verbose
+        self.adata: ad.AnnData | None = None
+        self.dataset_name: str | None = None
+        self.split = None
+        self.set2conditions: dict[str, list[str]] | None = None
+        self.subgroup: dict | None = None
+        self.dataloader: dict[str, EpochLoader] | None = None
+        self.report: dict = {}
+        self._graphs: dict = {}
+        self.synthetic = None
+
+    def _log(self, msg: str) -> None:
+        if self.verbose:
+            print(msg, flush=True)
+
+    # ----------------------------------------------------------------------------------- loading
+    def load(self, data_name: str | None = None, data_path: str | Path | None = None,
+             synthetic_params: dict | None = None) -> PertData:
+        """Load a named dataset (`synthetic`, `norman`, `adamson`, `dixit`,
+        `replogle_k562_essential`, `replogle_rpe1_essential`) or a processed/raw `.h5ad` path
+        (a file, or a folder holding perturb_processed.h5ad)."""
+        from gears.data import download
+
+        if data_name == "synthetic":
+            from gears.data.synthetic import make_synthetic, write_gene2go_tsv
+
+            params = dict(synthetic_params or {})
+            self.synthetic = make_synthetic(**params)
+            if self.gene2go_path is None:
+                tag = "_".join(f"{k}{v}" for k, v in sorted(params.items())) or "default"
+                path = self.data_dir / "synthetic" / f"gene2go_{tag}.tsv.gz"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                self.gene2go_path = write_gene2go_tsv(self.synthetic.gene2go, path)
+            return self.new_data_process("synthetic", self.synthetic.adata, write=False)
+        if data_name is not None and data_path is None:
+            if data_name not in download.DATASETS:
+                p = Path(data_name)
+                if p.suffix == ".h5ad" or p.is_dir():
+                    return self.load(data_path=p)
+                raise GearsInputError(
+                    f"unknown dataset {data_name!r}; use 'synthetic', one of "
+                    f"{sorted(download.DATASETS)}, or a path to an .h5ad file"
+                )
+            data_path = download.fetch_dataset(data_name, self.data_dir)
+        if data_path is None:
+            raise GearsInputError("PertData.load needs data_name or data_path")
+        path = Path(data_path)
+        if path.is_dir():
+            path = path / PROCESSED_NAME
+        if not path.exists():
+            raise GearsInputError(f"no .h5ad file at {path}")
+        name = data_name or (path.parent.name if path.name == PROCESSED_NAME else path.stem)
+        adata = ad.read_h5ad(path)
+        # Reuse DE results stored in the file (ours, or GEARS's keyed by condition_name).
+        return self.new_data_process(name, adata, skip_calc_de=True, write=False)
+
+    def new_data_process(self, dataset_name: str, adata: ad.AnnData, *,
+                         condition_key: str = "condition", sep: str = "+",
+                         control_names: tuple[str, ...] = (), skip_calc_de: bool = False,
+                         write: bool = True) -> PertData:
+        """Validate, canonicalise condition names, compute DE genes, write the processed h5ad.
+
+        Accepts `ctrl`/`control`/`non-targeting`, `A`, `A+ctrl`, `ctrl+A`, `A+B` (separator `sep`).
+        DE results go to `.uns` under the keys in gears.data.de.DE_KEYS, keyed by condition.
+        """
+        t0 = time.perf_counter()
+        validate_adata(adata, condition_key)
+        names = gene_names_of(adata)
+        obs = pd.DataFrame(index=adata.obs_names.astype(str))
+        obs["condition"] = canonicalize_conditions(adata.obs[condition_key].values, sep,
+                                                   control_names)
+        for extra in ("cell_type", "condition_name", "dose_val"):
+            if extra in adata.obs and extra != condition_key:
+                obs[extra] = adata.obs[extra].values
+        if not (obs["condition"] == CTRL).any():
+            raise GearsInputError(
+                f"no control cells: none of obs[{condition_key!r}] is 'ctrl', 'control' or "
+                "'non-targeting' (pass control_names=(...) for other spellings)"
+            )
+        X = adata.X
+        X = sp.csr_matrix(X, dtype=np.float32) if sp.issparse(X) else np.asarray(X, np.float32)
+        if X.max() > 50:
+            self._log(f"warning: max expression {X.max():.1f} looks like raw counts; GEARS "
+                      "expects log-normalised data")
+        processed = ad.AnnData(X=X, obs=obs, var=pd.DataFrame({"gene_name": names.values},
+                                                                index=names.values))
+        uns_old = dict(adata.uns) if skip_calc_de else {}
+        if skip_calc_de and all(k in uns_old for k in de_mod.DE_KEYS):
+            processed.uns.update(self._translate_de_keys(uns_old, adata, condition_key))
+        else:
+            processed.uns.update(de_mod.compute_de(processed, n_top=N_DE))
+        self._setup(dataset_name, processed)
+        if write:
+            out = self.data_dir / dataset_name / PROCESSED_NAME
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = out.with_suffix(".h5ad.tmp")
+            processed.write_h5ad(tmp)
+            tmp.replace(out)
+            self._log(f"wrote {out}")
+        self._log(f"processed {dataset_name}: {processed.n_obs} cells x {processed.n_vars} genes, "
+                  f"{len(self.conditions)} conditions in {time.perf_counter() - t0:.1f}s")
+        return self
+
+    def _translate_de_keys(self, uns: dict, adata: ad.AnnData, condition_key: str) -> dict:
+        """GEARS's own files key DE results by `condition_name`; re-key them by condition."""
+        if "condition_name" in adata.obs:
+            canon = canonicalize_conditions(adata.obs[condition_key].values)
+            name_to_cond = dict(zip(adata.obs["condition_name"].astype(str), canon))
+        else:
+            name_to_cond = {}
+        # Gene lists hold var_names (Ensembl ids in GEARS's files): map them to symbols.
+        id_to_symbol = pd.Series(gene_names_of(adata), index=adata.var_names.astype(str))
+        out = {}
+        for key in de_mod.DE_KEYS:
+            out[key] = {}
+            for k, v in uns[key].items():
+                v = np.asarray(v)
+                if v.dtype.kind in "OUS":
+                    v = id_to_symbol.reindex(v.astype(str)).fillna("").values.astype(str)
+                out[key][name_to_cond.get(k, k)] = v
+        return out
+
+    # --------------------------------------------------------------------------------- internals
+    def _setup(self, dataset_name: str, adata: ad.AnnData) -> None:
+        """Index conditions and genes, resolve perturbation genes against GO, build tables."""
+        self.dataset_name = dataset_name
+        self.gene_names = pd.Index(adata.var["gene_name"].astype(str).values)
+        gene_to_idx = {g: i for i, g in enumerate(self.gene_names)}
+        cell_cond = adata.obs["condition"].astype(str).values
+        self._resolve_perturbations(sorted(set(cell_cond)), gene_to_idx)
+        keep = ~np.isin(cell_cond, self.report["dropped_conditions"])
+        if not keep.all():
+            adata = adata[keep].copy()
+            cell_cond = cell_cond[keep]
+        self.adata = adata
+        self.conditions = sorted(set(cell_cond), key=lambda c: (c != CTRL, c))
+        self.cond_to_id = {c: i for i, c in enumerate(self.conditions)}
+        self.ctrl_id = self.cond_to_id[CTRL]
+        self.cell_condition = pd.Index(self.conditions).get_indexer(cell_cond).astype(np.int64)
+        self.ctrl_rows = np.flatnonzero(self.cell_condition == self.ctrl_id)
+        self.expr = ExpressionMatrix(adata.X)
+        self.n_genes = len(self.gene_names)
+
+        C, G = len(self.conditions), self.n_genes
+        self.cond_pert_index = np.full((C, 2), -1, dtype=np.int64)
+        for c, name in enumerate(self.conditions):
+            for slot, gene in enumerate(condition_genes(name)):
+                self.cond_pert_index[c, slot] = self.node_map_pert[gene]
+
+        # DE tables: [C, 200] DE-ranked genes, [C, 20] non-dropout DE, [C, G] loss mask.
+        uns = adata.uns
+        ranked = np.full((C, min(N_DE_RANKED, G)), -1, dtype=np.int64)
+        non_dropout = np.full((C, N_DE), -1, dtype=np.int64)
+        non_zero_mask = np.ones((C, G), dtype=bool)  # ctrl keeps every gene, as GEARS's loss
+        for c, name in enumerate(self.conditions):
+            if name == CTRL:
+                continue
+            if name not in uns[de_mod.RANK_KEY]:
+                raise GearsInputError(f"processed file lacks DE genes for condition {name!r}; "
+                                      "re-run new_data_process without skip_calc_de")
+            idx = self.gene_names.get_indexer(np.asarray(uns[de_mod.RANK_KEY][name]).astype(str))
+            ranked[c, : min(len(idx), ranked.shape[1])] = idx[: ranked.shape[1]]
+            nd = self.gene_names.get_indexer(
+                np.asarray(uns[de_mod.TOP_NON_DROPOUT_KEY][name]).astype(str))[:N_DE]
+            non_dropout[c, : len(nd)] = nd
+            non_zero_mask[c] = False
+            non_zero_mask[c, np.asarray(uns[de_mod.NON_ZERO_KEY][name], dtype=np.int64)] = True
+        self.de_ranked_idx = ranked
+        self.de_idx = ranked[:, :N_DE].copy()
+        self.non_dropout_de_idx = non_dropout
+        self.non_zero_mask = non_zero_mask
+        self.ctrl_mean = np.asarray(self.expr.rows(self.ctrl_rows).mean(0).numpy(), np.float64)
+        self.split = self.set2conditions = self.subgroup = self.dataloader = None
+        self._graphs = {}
+
+    def _resolve_perturbations(self, conditions: list[str], gene_to_idx: dict) -> None:
+        """Perturbation vocabulary = measured and perturbed genes known to the GO source."""
+        from gears.data import graphs
+
+        gene2go = graphs.read_gene2go(self._gene2go_source())
+        aliases = graphs.read_aliases(self.gene_aliases_path) if self.gene_aliases_path else None
+        perturbed = genes_of(conditions)
+        candidates = sorted(set(self.gene_names) | set(perturbed))
+        renames, missing = graphs.resolve_symbols(candidates, gene2go.keys(), aliases)
+        missing = set(missing)
+        unknown = sorted(g for g in perturbed if g in missing and g not in gene_to_idx)
+        if unknown and not self.keep_unmapped_perts:
+            raise GearsInputError(
+                f"{len(unknown)} perturbed gene(s) are neither measured genes nor in the GO "
+                f"source (even through aliases): {unknown[:10]}; check their spelling, pass "
+                "gene_aliases=..., or keep_unmapped_perts=True to keep them without GO edges"
+            )
+        dropped = [] if self.keep_unmapped_perts else [
+            c for c in conditions if any(g in missing for g in condition_genes(c))
+        ]
+        vocab = [g for g in candidates if g not in missing]
+        if self.keep_unmapped_perts:
+            vocab = sorted(set(vocab) | set(perturbed))
+        self.pert_names = np.array(vocab)
+        self.node_map_pert = {g: i for i, g in enumerate(vocab)}
+        self.node_map = {g: i for i, g in enumerate(self.gene_names)}
+        self.gene2go = {g: set(gene2go.get(renames.get(g, g), ())) for g in vocab}
+        self.report = {"renamed_genes": {g: renames[g] for g in perturbed if g in renames},
+                       "dropped_conditions": dropped,
+                       "perturbed_genes_without_go": sorted(set(perturbed) & missing)}
+        if self.report["renamed_genes"]:
+            self._log(f"renamed {len(self.report['renamed_genes'])} perturbed gene(s) to match the "
+                      f"GO source: {self.report['renamed_genes']}")
+        if dropped:
+            self._log(f"dropped {len(dropped)} condition(s) whose genes have no GO annotation "
+                      f"(GEARS cannot place them in the GO graph): {dropped[:10]}"
+                      f"{' ...' if len(dropped) > 10 else ''}")
+
+    def _gene2go_source(self) -> Path:
+        if self.gene2go_path is not None:
+            return Path(self.gene2go_path)
+        from gears.data import download
+
+        return download.fetch_gene2go(self.data_dir)
+
+    # ---------------------------------------------------------------------------------- splits
+    def prepare_split(self, split: str = "simulation", seed: int = 1,
+                      train_gene_set_size: float = 0.75, combo_seen2_train_frac: float = 0.75,
+                      combo_single_split_test_set_fraction: float = 0.1,
+                      test_perts: list[str] | None = None, only_test_set_perts: bool = False,
+                      test_pert_genes: list[str] | None = None,
+                      split_dict_path: str | Path | None = None, val_size: float = 0.1) -> PertData:
+        """Make one of the GEARS split types; cached under data_dir keyed by every parameter."""
+        from gears.data import splits
+
+        if self.adata is None:
+            raise GearsInputError("load data before prepare_split (PertData.load / new_data_process)")
+        params = dict(split_type=split, seed=seed, train_gene_set_size=train_gene_set_size,
+                      combo_seen2_train_frac=combo_seen2_train_frac,
+                      test_size=combo_single_split_test_set_fraction, val_size=val_size,
+                      test_perts=sorted(test_perts) if test_perts else None,
+                      test_pert_genes=sorted(test_pert_genes) if test_pert_genes else None,
+                      only_test_set_perts=only_test_set_perts)
+        split_dict = None
+        if split == "custom":
+            if split_dict_path is None:
+                raise GearsInputError("split 'custom' needs split_dict_path (a JSON/pickle file)")
+            split_dict = splits.load_split_dict(split_dict_path, self.conditions)
+            params["split_dict"] = split_dict
+        key = splits.split_key(self.conditions, **params)
+        cache = self.data_dir / (self.dataset_name or "data") / "splits" / f"{split}_{key}.json"
+        if cache.exists():
+            result = splits.Split.from_dict(json.loads(cache.read_text()))
+        else:
+            params.pop("split_type")
+            params.pop("split_dict", None)
+            result = splits.make_split(self.conditions, split, split_dict=split_dict, **params)
+            try:
+                cache.parent.mkdir(parents=True, exist_ok=True)
+                tmp = cache.with_suffix(f".tmp{np.random.randint(1 << 30)}")
+                tmp.write_text(json.dumps(result.to_dict()))
+                tmp.replace(cache)
+            except OSError:
+                pass  # a read-only data_dir only costs recomputation
+        self.split = result
+        self.seed = seed
+        self.set2conditions = {"train": result.train, "val": result.val, "test": result.test}
+        self.subgroup = {f"{k}_subgroup": v for k, v in result.subgroups.items()}
+        # The co-expression graph depends on the training cells.
+        self._graphs = {k: v for k, v in self._graphs.items() if k[0] != "coexpress"}
+        self._log(result.summary())
+        return self
+
+    def set_rows(self, set_name: str) -> tuple[np.ndarray, np.ndarray]:
+        """Cell rows and condition ids of a split set ('train', 'val', 'test')."""
+        if self.set2conditions is None:
+            raise GearsInputError("call prepare_split before asking for split sets")
+        ids = [self.cond_to_id[c] for c in self.set2conditions[set_name] if c in self.cond_to_id]
+        rows = np.flatnonzero(np.isin(self.cell_condition, ids))
+        return rows, self.cell_condition[rows]
+
+    def example_set(self, set_name: str, seed: int | None = None) -> ExampleSet:
+        rows, cond = self.set_rows(set_name)
+        return ExampleSet(self.expr, rows, cond, self.ctrl_rows, self.ctrl_id,
+                          self.cond_pert_index, self.de_idx,
+                          seed=self.seed if seed is None else seed)
+
+    # --------------------------------------------------------------------------------- loaders
+    def get_dataloader(self, batch_size: int, test_batch_size: int | None = None,
+                       **kwargs) -> dict[str, EpochLoader]:
+        """train/val/test loaders (GEARS names: train_loader, val_loader, test_loader)."""
+        return self.get_dataloader_distributed(batch_size, test_batch_size, 1, 0, **kwargs)
+
+    def get_dataloader_distributed(self, batch_size: int, test_batch_size: int | None = None,
+                                   world_size: int = 1, rank: int = 0, num_workers: int = 0,
+                                   batching: str = "random", cells_per_group: int = 4,
+                                   pin_memory: bool = False) -> dict[str, EpochLoader]:
+        """Training shards via a seeded DistributedSampler; evaluation sharded without padding."""
+        test_batch_size = test_batch_size or batch_size
+        loaders = {}
+        for name in ("train", "val", "test"):
+            if not self.set2conditions.get(name):
+                continue
+            ds = self.example_set(name)
+            if name == "train":
+                loaders["train_loader"] = train_loader(
+                    ds, batch_size, seed=self.seed, world_size=world_size, rank=rank,
+                    batching=batching, cells_per_group=cells_per_group,
+                    num_workers=num_workers, pin_memory=pin_memory)
+            else:
+                loaders[f"{name}_loader"] = eval_loader(
+                    ds, test_batch_size, world_size=world_size, rank=rank,
+                    num_workers=num_workers, pin_memory=pin_memory)
+        self.dataloader = loaders
+        return loaders
+
+    # ---------------------------------------------------------------------------------- graphs
+    def go_graph(self, top_k: int = 20, threshold: float = 0.1):
+        """GO Jaccard similarity graph over the perturbation vocabulary (`pert_names`)."""
+        from gears.data import graphs
+
+        key = ("go", top_k, threshold)
+        if key not in self._graphs:
+            self._graphs[key] = graphs.go_graph(list(self.pert_names), self.gene2go, top_k,
+                                                threshold)
+        return self._graphs[key]
+
+    def coexpress_graph(self, top_k: int = 20, threshold: float = 0.4):
+        """Gene co-expression graph from control + training cells (needs a split)."""
+        from gears.data import graphs
+
+        key = ("coexpress", top_k, threshold)
+        if key not in self._graphs:
+            rows, _ = self.set_rows("train")
+            X = self.expr.numpy()[np.union1d(rows, self.ctrl_rows)]
+            self._graphs[key] = graphs.coexpression_graph(X, list(self.gene_names), top_k,
+                                                          threshold)
+        return self._graphs[key]
+
+    # ------------------------------------------------------------------------------- summaries
+    def condition_means(self, conditions: list[str] | None = None) -> np.ndarray:
+        """Observed mean profile per condition. -> [len(conditions), genes] float64."""
+        means = de_mod.condition_means(self.expr.numpy(), self.cell_condition, len(self.conditions))
+        if conditions is None:
+            return means
+        return means[[self.cond_to_id[c] for c in conditions]]
+
+    def __repr__(self) -> str:
+        if self.adata is None:
+            return f"PertData(data_dir={str(self.data_dir)!r}, no data loaded)"
+        return (f"PertData({self.dataset_name}: {self.adata.n_obs} cells x {self.n_genes} genes, "
+                f"{len(self.conditions)} conditions, {len(self.pert_names)} perturbable genes)")

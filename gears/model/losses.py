@@ -1,0 +1,58 @@
+"""GEARS's autofocus + direction loss and the uncertainty loss, vectorised over groups."""
+
+from __future__ import annotations
+
+import torch
+
+
+def _group_weights(
+    inverse: torch.Tensor, counts: torch.Tensor, gene_mask: torch.Tensor
+) -> torch.Tensor:
+    """Per-example weight 1 / (U * n_group * genes_in_mask): GEARS's mean over groups of means.
+
+    inverse [B] group of each example, counts [U] examples per group, gene_mask [U, G] bool.
+    -> [B, G] weights, zero outside each group's gene mask.
+    """
+    n_genes = gene_mask.sum(1).clamp(min=1).to(counts.dtype)  # [U]
+    per_group = 1.0 / (counts.shape[0] * counts * n_genes)  # [U]
+    return gene_mask.to(counts.dtype)[inverse] * per_group[inverse].unsqueeze(1)
+
+
+def direction_surrogate(delta: torch.Tensor, temperature: float) -> torch.Tensor:
+    """A differentiable sign: tanh(delta / temperature). (GEARS's torch.sign has zero gradient.)"""
+    return torch.tanh(delta / temperature)
+
+
+def gears_loss(
+    pred: torch.Tensor,
+    y: torch.Tensor,
+    inverse: torch.Tensor,
+    counts: torch.Tensor,
+    gene_mask: torch.Tensor,
+    ctrl_mean: torch.Tensor,
+    *,
+    gamma: float = 2.0,
+    direction_lambda: float = 0.1,
+    direction_temperature: float = 0.1,
+    logvar: torch.Tensor | None = None,
+    uncertainty_reg: float = 1.0,
+) -> torch.Tensor:
+    """Mean over perturbation groups of mean |pred - y|^(2+gamma) on the group's expressed genes,
+    plus `direction_lambda` x mean (sign(y - ctrl) - tanh((pred - ctrl)/T))^2.
+
+    pred, y [B, G]; inverse [B]; counts [U] float; gene_mask [U, G] bool (GEARS: genes with
+    non-zero mean in the perturbation; every gene for control); ctrl_mean [G].
+    With `logvar` [B, G] the focal term becomes err + reg * (exp(-logvar) * err + logvar): the
+    Gaussian negative log-likelihood term that GEARS's uncertainty loss lacks (without the
+    `+ logvar` penalty, logvar -> +inf minimises it).
+    """
+    weights = _group_weights(inverse, counts.float(), gene_mask)
+    err = (pred.float() - y.float()).abs().pow(2.0 + gamma)
+    if logvar is not None:
+        logvar = logvar.float()
+        err = err + uncertainty_reg * (torch.exp(-logvar) * err + logvar)
+    direction = (
+        torch.sign(y.float() - ctrl_mean)
+        - direction_surrogate(pred.float() - ctrl_mean, direction_temperature)
+    ).pow(2)
+    return (weights * (err + direction_lambda * direction)).sum()

@@ -1,0 +1,233 @@
+"""The main job shared by train_single.py and train_distributed.py: data, train, evaluate, write."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from gears.config import Config, load_config
+from gears.distributed import DistEnv, barrier
+from gears.errors import GearsInputError
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_CONFIG = ROOT / "configs" / "default.yaml"
+TABLE_METRICS = (
+    "mse",
+    "mse_de",
+    "pearson",
+    "pearson_delta",
+    "pearson_delta_de",
+    "frac_correct_direction_top20_non_dropout",
+    "frac_opposite_direction_top20_non_dropout",
+)
+
+
+def parse_args(argv: list[str] | None, description: str, extra=None):
+    parser = argparse.ArgumentParser(
+        description=description,
+        epilog="overrides are dotted config keys, e.g. train.epochs=5 split.type=combo_seen2",
+    )
+    parser.add_argument("--config", default=None, help="YAML file overriding configs/default.yaml")
+    if extra is not None:
+        extra(parser)
+    parser.add_argument("overrides", nargs="*", help="key=value config overrides")
+    return parser.parse_args(argv)
+
+
+def config_from_args(args) -> Config:
+    base = DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None
+    return load_config(args.config, args.overrides, base=base)
+
+
+def load_pert_data(cfg: Config, env: DistEnv):
+    """Rank 0 loads first (downloads, writes caches); the other ranks then read the same files."""
+    from gears.data.pertdata import PertData
+
+    def build():
+        pd_ = PertData(
+            cfg.data.data_dir,
+            gene2go=cfg.data.gene2go,
+            gene_aliases=cfg.data.gene_aliases,
+            keep_unmapped_perts=cfg.data.keep_unmapped_perts,
+            verbose=env.is_main,
+        )
+        if cfg.data.dataset == "synthetic":
+            pd_.load("synthetic", synthetic_params=cfg.data.synthetic)
+        else:
+            pd_.load(data_name=cfg.data.dataset)
+        s = cfg.split
+        pd_.prepare_split(
+            s.type,
+            seed=s.seed,
+            train_gene_set_size=s.train_gene_set_size,
+            combo_seen2_train_frac=s.combo_seen2_train_frac,
+            combo_single_split_test_set_fraction=s.test_size,
+            split_dict_path=s.split_dict_path,
+            val_size=s.val_size,
+        )
+        return pd_
+
+    pert_data = build() if env.is_main else None
+    barrier(env)
+    return pert_data if env.is_main else build()
+
+
+def init_wandb(cfg: Config, env: DistEnv):
+    if not env.is_main or cfg.wandb.mode == "disabled":
+        return None
+    import os
+
+    import wandb
+
+    os.environ.setdefault("WANDB_SILENT", "true")
+    return wandb.init(
+        project=cfg.wandb.project,
+        entity=cfg.wandb.entity,
+        name=cfg.wandb.name,
+        mode=cfg.wandb.mode,
+        dir=str(Path(cfg.out_dir)),
+        config=cfg.to_dict(),
+    )
+
+
+def _clean(obj):
+    """JSON-safe: numpy scalars to floats, NaN to None."""
+    if isinstance(obj, dict):
+        return {str(k): _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    if isinstance(obj, (np.floating, float)):
+        return None if math.isnan(float(obj)) else float(obj)
+    if isinstance(obj, np.integer):
+        return int(obj)
+    return obj
+
+
+def print_table(results: dict) -> None:
+    cols = ["gears", *results["baselines"].keys()]
+    rows = {"gears": results["test"], **results["baselines"]}
+    width = max(len(m) for m in TABLE_METRICS) + 2
+    print("\ntest metrics (mean over perturbations; lower mse is better, higher pearson is better)")
+    print("metric".ljust(width) + "".join(c.rjust(12) for c in cols))
+    for m in TABLE_METRICS:
+        cells = []
+        for c in cols:
+            v = rows[c].get(m)
+            cells.append(("-" if v is None else f"{v:.4f}").rjust(12))
+        print(m.ljust(width) + "".join(cells))
+    print(
+        "n_conditions".ljust(width)
+        + "".join(str(rows[c].get("n_conditions", "-")).rjust(12) for c in cols)
+    )
+    for name, sub in results["subgroups"].items():
+        print(
+            f"  subgroup {name}: mse_de {sub.get('mse_de', float('nan')):.4f}, "
+            f"pearson_delta {sub.get('pearson_delta', float('nan')):.4f} "
+            f"({sub.get('n_conditions', 0)} perturbations)"
+        )
+
+
+def run(cfg: Config, env: DistEnv) -> dict | None:
+    """Train on cfg's data, evaluate on test with baselines, write the run directory (rank 0)."""
+    from gears.api import GEARS, model_kwargs
+    from gears.baselines import baseline_predictions
+    from gears.engine import seed_everything
+    from gears.evaluate import Evaluator
+    from gears.plotting import plot_history
+
+    t_start = time.perf_counter()
+    seed_everything(cfg.seed)
+    out = Path(cfg.out_dir)
+    if env.is_main:
+        (out / "plots").mkdir(parents=True, exist_ok=True)
+        cfg.save(out / "config.yaml")
+    pert_data = load_pert_data(cfg, env)
+    wandb_run = init_wandb(cfg, env)
+    model = GEARS(pert_data, env=env, wandb_run=wandb_run, out_dir=out, seed=cfg.seed)
+    seed_everything(cfg.seed)  # the same initial weights on every rank, whatever ran before
+    model.model_initialize(**model_kwargs(cfg.model, cfg.data))
+    t_train = time.perf_counter()
+    history = model.train(train_cfg=cfg.train, dist_cfg=cfg.distributed)
+    train_s = time.perf_counter() - t_train
+
+    t_eval = time.perf_counter()
+    evaluator = Evaluator(pert_data, env, model.model)
+    has_test = bool([c for c in pert_data.set2conditions.get("test", []) if c != "ctrl"])
+    pred = evaluator.predict_means("test") if has_test else None  # every rank takes part
+    results = None
+    if env.is_main:
+        results = {
+            "dataset": pert_data.dataset_name,
+            "split": cfg.split.type,
+            "world_size": env.world_size,
+            "effective_batch_size": cfg.train.batch_size
+            * env.world_size
+            * cfg.train.grad_accum_steps,
+            "best_epoch": model.trainer.best_epoch + 1,
+            "val_best": history.val[model.trainer.best_epoch] if history.val else {},
+            "test": {},
+            "subgroups": {},
+            "baselines": {},
+            "baseline_subgroups": {},
+        }
+        if has_test:
+            scored = evaluator.full("test", pred_mean=pred)
+            results["test"] = scored["summary"].pop("overall")
+            results["subgroups"] = scored["summary"]
+            view = evaluator.set_view("test")
+            train_conds = [c for c in pert_data.set2conditions["train"] if c != "ctrl"]
+            train_means = dict(zip(train_conds, pert_data.condition_means(train_conds)))
+            for name, bpred in baseline_predictions(
+                train_means, pert_data.ctrl_mean, view["conditions"], list(pert_data.gene_names)
+            ).items():
+                if np.isnan(bpred).all():
+                    continue
+                b = evaluator.full("test", pred_mean=bpred)["summary"]
+                results["baselines"][name] = b.pop("overall")
+                results["baseline_subgroups"][name] = b
+        eval_s = time.perf_counter() - t_eval
+        epochs_run = max(len(history.epoch_s), 1)
+        results["timing"] = {
+            "train_cells_per_s": float(np.mean(history.cells_per_s)) if history.cells_per_s else 0,
+            "epoch_s": float(np.mean(history.epoch_s)) if history.epoch_s else 0.0,
+            "train_s": train_s,
+            "epochs": epochs_run,
+            "eval_s": eval_s,
+            "total_s": time.perf_counter() - t_start,
+        }
+        results["history"] = {"train_loss": history.train_loss, "val": history.val}
+        results["report"] = pert_data.report
+        model.save_model(out / "model")
+        plot_history(history, out / "plots" / "loss.png")
+        if has_test:
+            for cond in evaluator.set_view("test")["conditions"][: cfg.train.plot_conditions]:
+                model.plot_perturbation(cond, out / "plots" / f"{cond.replace('+', '_')}.png")
+        results = _clean(results)
+        (out / "metrics.json").write_text(json.dumps(results, indent=1))
+        if has_test:
+            print_table(results)
+        print(
+            f"\nwrote {out}/ (config.yaml, metrics.json, model/, checkpoints/, plots/) in "
+            f"{results['timing']['total_s']:.1f}s",
+            flush=True,
+        )
+        if wandb_run is not None:
+            wandb_run.summary.update({f"test/{k}": v for k, v in results["test"].items()})
+            wandb_run.finish()
+    barrier(env)
+    return results
+
+
+def guarded(main):
+    """Run `main`; bad input prints one clear line (no traceback) and exits with status 2."""
+    try:
+        return main()
+    except GearsInputError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)

@@ -1,0 +1,21 @@
+"""Shared fixtures: the real data in ../shared/data (skipped with a message where absent)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = Path(os.environ.get("GEARS_SHARED_DATA", ROOT.parent / "shared" / "data"))
+
+os.environ.setdefault("WANDB_MODE", "disabled")
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    """The folder with perturbench_devel.h5ad, gene2go_human.tsv.gz, gene_aliases_human.tsv.gz."""
+    if not (SHARED_DATA / "perturbench_devel.h5ad").exists():
+        pytest.skip(f"real data folder {SHARED_DATA} is absent (set GEARS_SHARED_DATA to use it)")
+    return SHARED_DATA

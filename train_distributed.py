@@ -1,0 +1,30 @@
+"""Train GEARS on N processes (DDP: NCCL on GPUs, gloo on CPU).
+
+torchrun --standalone --nproc_per_node 4 train_distributed.py [key=value ...]
+python train_distributed.py --nproc 4 [--config FILE] [key=value ...]   # mp.spawn
+srun python train_distributed.py [key=value ...]                         # Slurm tasks
+"""
+
+from gears.run import config_from_args, guarded, parse_args
+from gears.train_distributed import launched_externally, spawn, worker_main
+
+
+def main(argv=None):
+    args = parse_args(
+        argv,
+        "Train GEARS with DistributedDataParallel.",
+        extra=lambda p: p.add_argument(
+            "--nproc",
+            type=int,
+            default=None,
+            help="processes to spawn (default: GPUs visible, else 1); ignored under torchrun/srun",
+        ),
+    )
+    cfg = config_from_args(args)
+    if launched_externally():
+        return worker_main(cfg)
+    return spawn(cfg, args.nproc)
+
+
+if __name__ == "__main__":
+    guarded(main)
