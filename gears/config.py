@@ -59,6 +59,7 @@ class TrainConfig:
     test_batch_size: int = 128
     lr: float = 1e-3
     weight_decay: float = 5e-4
+    optimizer: str = "adam"  # adam (GEARS) | adamw | sgd
     schedule: str = "step"  # step (GEARS: x0.5 each epoch) | cosine | constant
     step_gamma: float = 0.5
     grad_clip: float = 1.0  # gradient value clip, as GEARS; 0 disables
@@ -119,6 +120,7 @@ class Config:
 CHOICES = {
     "train.schedule": ("step", "cosine", "constant"),
     "train.precision": ("fp32", "bf16", "fp16"),
+    "train.optimizer": ("adam", "adamw", "sgd"),
     "train.batching": ("random", "grouped"),
     "distributed.backend": ("auto", "nccl", "gloo"),
     "wandb.mode": ("disabled", "offline", "online"),

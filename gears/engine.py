@@ -46,6 +46,14 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
     raise GearsInputError(f"unknown train.precision {precision!r} (fp32, bf16, fp16)")
 
 
+def make_optimizer(params, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """Adam with L2 weight decay, as GEARS (adamw and plain sgd on request)."""
+    kinds = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
+    if cfg.optimizer not in kinds:
+        raise GearsInputError(f"unknown train.optimizer {cfg.optimizer!r}: {sorted(kinds)}")
+    return kinds[cfg.optimizer](params, lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=True)
+
+
 def make_scheduler(opt: torch.optim.Optimizer, cfg: TrainConfig):
     if cfg.schedule == "step":  # GEARS: halve the learning rate after every epoch
         return torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=cfg.step_gamma)

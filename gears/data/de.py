@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import anndata as ad
 import numpy as np
 import pandas as pd
@@ -54,16 +56,18 @@ def compute_de(adata: ad.AnnData, n_top: int = 20) -> dict[str, dict[str, np.nda
     light = ad.AnnData(X=adata.X, obs={"condition": conditions}, var={"_": np.zeros(len(var_names))})
     light.var_names = var_names
     light.obs["condition"] = light.obs["condition"].astype("category")
-    sc.tl.rank_genes_groups(
-        light,
-        groupby="condition",
-        groups=groups,
-        reference=CTRL,
-        rankby_abs=True,
-        n_genes=len(var_names),
-        use_raw=False,
-        method="t-test",
-    )
+    with warnings.catch_warnings():  # scanpy's own pandas fragmentation warnings
+        warnings.simplefilter("ignore", pd.errors.PerformanceWarning)
+        sc.tl.rank_genes_groups(
+            light,
+            groupby="condition",
+            groups=groups,
+            reference=CTRL,
+            rankby_abs=True,
+            n_genes=len(var_names),
+            use_raw=False,
+            method="t-test",
+        )
     names = light.uns["rank_genes_groups"]["names"]
     ranked_ids = {g: np.asarray(names[g]).astype(str) for g in groups}
 

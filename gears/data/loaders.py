@@ -234,8 +234,10 @@ def train_loader(dataset: ExampleSet, batch_size: int, *, seed: int, world_size:
         sampler = GroupedBatchSampler(dataset.cond, cells_per_group, batch_size // cells_per_group,
                                       seed, world_size, rank)
     else:
+        # drop_last: no padding duplicates, so N ranks take exactly the steps of one process
+        # with batch N * b, and their step-k batches together are its step-k batch.
         inner = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
-                                   seed=seed, drop_last=False)
+                                   seed=seed, drop_last=True)
         sampler = BatchSampler(inner, batch_size, drop_last=drop_last)
     return EpochLoader(dataset, sampler, num_workers, pin_memory)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -34,6 +35,12 @@ def validate_adata(adata: ad.AnnData, condition_key: str = "condition") -> None:
             f"adata.obs has no {condition_key!r} column naming each cell's perturbation "
             f"(columns present: {list(adata.obs.columns)}); add it, spelled 'ctrl' / 'A+ctrl' / "
             "'A+B' (or 'control', 'A', 'A+B')"
+        )
+    missing = adata.obs[condition_key].isna()
+    if missing.any():
+        raise GearsInputError(
+            f"{int(missing.sum())} cells have a missing (NaN/null) value in obs[{condition_key!r}]; "
+            "label them (e.g. 'ctrl') or drop them"
         )
     values = _finite_values(adata.X)
     n_bad = int(np.size(values) - np.isfinite(values).sum())
@@ -75,6 +82,7 @@ class PertData:
                  gene_aliases: str | Path | None = None, keep_unmapped_perts: bool = False,
                  seed: int = 1, verbose: bool = True):
         self.data_dir = Path(data_dir)
+        self.gene2go_user = gene2go  # as given; the synthetic screen brings its own otherwise
         self.gene2go_path = gene2go
         self.gene_aliases_path = gene_aliases
         self.keep_unmapped_perts = keep_unmapped_perts
@@ -107,11 +115,14 @@ class PertData:
 
             params = dict(synthetic_params or {})
             self.synthetic = make_synthetic(**params)
+            self.gene2go_path = self.gene2go_user
             if self.gene2go_path is None:
                 tag = "_".join(f"{k}{v}" for k, v in sorted(params.items())) or "default"
                 path = self.data_dir / "synthetic" / f"gene2go_{tag}.tsv.gz"
                 path.parent.mkdir(parents=True, exist_ok=True)
-                self.gene2go_path = write_gene2go_tsv(self.synthetic.gene2go, path)
+                if not path.exists():
+                    write_gene2go_tsv(self.synthetic.gene2go, path)
+                self.gene2go_path = path
             return self.new_data_process("synthetic", self.synthetic.adata, write=False)
         if data_name is not None and data_path is None:
             if data_name not in download.DATASETS:
@@ -123,6 +134,7 @@ class PertData:
                     f"{sorted(download.DATASETS)}, or a path to an .h5ad file"
                 )
             data_path = download.fetch_dataset(data_name, self.data_dir)
+        self.gene2go_path = self.gene2go_user
         if data_path is None:
             raise GearsInputError("PertData.load needs data_name or data_path")
         path = Path(data_path)
@@ -153,13 +165,34 @@ class PertData:
         for extra in ("cell_type", "condition_name", "dose_val"):
             if extra in adata.obs and extra != condition_key:
                 obs[extra] = adata.obs[extra].values
-        if not (obs["condition"] == CTRL).any():
+        conditions = obs["condition"].values
+        if not (conditions == CTRL).any():
             raise GearsInputError(
                 f"no control cells: none of obs[{condition_key!r}] is 'ctrl', 'control' or "
                 "'non-targeting' (pass control_names=(...) for other spellings)"
             )
+        if (conditions == CTRL).all():
+            raise GearsInputError("every cell is a control: the data has no perturbed cells")
+        # Perturbation genes are checked against GO before the (slower) DE step.
+        self._resolve_perturbations(sorted(set(conditions)), set(names))
+        counts = pd.Series(conditions).value_counts()
+        few = sorted(c for c in counts.index[counts < 2] if c != CTRL)
+        if few:
+            self.report["dropped_conditions_too_few_cells"] = few
+            self._log(f"dropped {len(few)} condition(s) with a single cell (no DE test "
+                      f"possible): {few[:10]}")
+        drop = set(self.report["dropped_conditions"]) | set(few)
+        self.report["dropped_conditions"] = sorted(drop)
+        keep = ~np.isin(conditions, sorted(drop)) if drop else np.ones(len(conditions), bool)
+        if (conditions[keep] != CTRL).sum() == 0:
+            raise GearsInputError(
+                f"no perturbed cells are left after dropping {sorted(drop)[:10]} (genes without "
+                "GO annotation or conditions with one cell)"
+            )
         X = adata.X
         X = sp.csr_matrix(X, dtype=np.float32) if sp.issparse(X) else np.asarray(X, np.float32)
+        if not keep.all():
+            X, obs = X[keep], obs.iloc[keep]
         if X.max() > 50:
             self._log(f"warning: max expression {X.max():.1f} looks like raw counts; GEARS "
                       "expects log-normalised data")
@@ -206,13 +239,8 @@ class PertData:
         """Index conditions and genes, resolve perturbation genes against GO, build tables."""
         self.dataset_name = dataset_name
         self.gene_names = pd.Index(adata.var["gene_name"].astype(str).values)
-        gene_to_idx = {g: i for i, g in enumerate(self.gene_names)}
         cell_cond = adata.obs["condition"].astype(str).values
-        self._resolve_perturbations(sorted(set(cell_cond)), gene_to_idx)
-        keep = ~np.isin(cell_cond, self.report["dropped_conditions"])
-        if not keep.all():
-            adata = adata[keep].copy()
-            cell_cond = cell_cond[keep]
+        self.node_map = {g: i for i, g in enumerate(self.gene_names)}
         self.adata = adata
         self.conditions = sorted(set(cell_cond), key=lambda c: (c != CTRL, c))
         self.cond_to_id = {c: i for i, c in enumerate(self.conditions)}
@@ -254,17 +282,17 @@ class PertData:
         self.split = self.set2conditions = self.subgroup = self.dataloader = None
         self._graphs = {}
 
-    def _resolve_perturbations(self, conditions: list[str], gene_to_idx: dict) -> None:
+    def _resolve_perturbations(self, conditions: list[str], measured: set[str]) -> None:
         """Perturbation vocabulary = measured and perturbed genes known to the GO source."""
         from gears.data import graphs
 
         gene2go = graphs.read_gene2go(self._gene2go_source())
         aliases = graphs.read_aliases(self.gene_aliases_path) if self.gene_aliases_path else None
         perturbed = genes_of(conditions)
-        candidates = sorted(set(self.gene_names) | set(perturbed))
+        candidates = sorted(measured | set(perturbed))
         renames, missing = graphs.resolve_symbols(candidates, gene2go.keys(), aliases)
         missing = set(missing)
-        unknown = sorted(g for g in perturbed if g in missing and g not in gene_to_idx)
+        unknown = sorted(g for g in perturbed if g in missing and g not in measured)
         if unknown and not self.keep_unmapped_perts:
             raise GearsInputError(
                 f"{len(unknown)} perturbed gene(s) are neither measured genes nor in the GO "
@@ -279,7 +307,6 @@ class PertData:
             vocab = sorted(set(vocab) | set(perturbed))
         self.pert_names = np.array(vocab)
         self.node_map_pert = {g: i for i, g in enumerate(vocab)}
-        self.node_map = {g: i for i, g in enumerate(self.gene_names)}
         self.gene2go = {g: set(gene2go.get(renames.get(g, g), ())) for g in vocab}
         self.report = {"renamed_genes": {g: renames[g] for g in perturbed if g in renames},
                        "dropped_conditions": dropped,
@@ -333,7 +360,7 @@ class PertData:
             result = splits.make_split(self.conditions, split, split_dict=split_dict, **params)
             try:
                 cache.parent.mkdir(parents=True, exist_ok=True)
-                tmp = cache.with_suffix(f".tmp{np.random.randint(1 << 30)}")
+                tmp = cache.with_suffix(f".tmp{os.getpid()}")
                 tmp.write_text(json.dumps(result.to_dict()))
                 tmp.replace(cache)
             except OSError:
@@ -372,6 +399,8 @@ class PertData:
                                    batching: str = "random", cells_per_group: int = 4,
                                    pin_memory: bool = False) -> dict[str, EpochLoader]:
         """Training shards via a seeded DistributedSampler; evaluation sharded without padding."""
+        if self.set2conditions is None:
+            raise GearsInputError("call prepare_split before get_dataloader")
         test_batch_size = test_batch_size or batch_size
         loaders = {}
         for name in ("train", "val", "test"):

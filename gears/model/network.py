@@ -21,7 +21,7 @@ class _WeightedBatchNormFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, gamma, beta, eps):
-        total = w.sum()
+        total = w.sum().clamp(min=1e-12)  # all-zero weights (no perturbed row): output = beta
         mean = (w @ x) / total
         centred = x - mean
         var = (w @ (centred * centred)) / total
@@ -58,14 +58,14 @@ class WeightedBatchNorm1d(nn.BatchNorm1d):
             return super().forward(x)
         distributed = self.sync and dist.is_available() and dist.is_initialized()
         tensor_weight = torch.is_tensor(weight) and weight.dim() == 1
-        if not tensor_weight and not distributed:
+        if not tensor_weight and not distributed and x.shape[0] > 1:
             n = x.shape[0] * (1.0 if weight is None else weight)
             with torch.no_grad():
                 var, mean = torch.var_mean(x.float(), 0, correction=0)
             self._update_running(mean, var, n)
             # Native kernel with batch statistics; running stats updated above with n cells.
             return F.batch_norm(x, None, None, self.weight, self.bias, True, 0.0, self.eps)
-        xf = x.float()
+        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
         w = (
             weight.float()
             if tensor_weight
@@ -96,10 +96,12 @@ class WeightedBatchNorm1d(nn.BatchNorm1d):
             return
         n = torch.as_tensor(n, dtype=torch.float32, device=mean.device)
         unbiased = var.detach().float() * (n / (n - 1).clamp(min=1))
-        m = self.momentum if self.momentum is not None else 0.1
+        self.num_batches_tracked += 1
+        m = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
+        # A batch whose rows all weigh 0 (no perturbed cell) leaves the statistics alone.
+        m = torch.where(n > 0, torch.tensor(m, device=n.device), torch.zeros((), device=n.device))
         self.running_mean.lerp_(mean.detach().to(self.running_mean.dtype), m)
         self.running_var.lerp_(unbiased.to(self.running_var.dtype), m)
-        self.num_batches_tracked += 1
 
 
 def all_rows_max_norm(emb: nn.Embedding) -> torch.Tensor:
@@ -166,12 +168,8 @@ class GEARSNet(nn.Module):
         self.emb_pos = nn.Embedding(G, H)
         self.pert_emb = nn.Embedding(num_perts, H)
         self.bn_emb = WeightedBatchNorm1d(H)
-        self.layers_emb_pos = nn.ModuleList(
-            SGConv(H, H, K=1, cached=True) for _ in range(num_gene_gnn_layers)
-        )
-        self.sim_layers = nn.ModuleList(
-            SGConv(H, H, K=1, cached=True) for _ in range(num_go_gnn_layers)
-        )
+        self.layers_emb_pos = nn.ModuleList(SGConv(H, H, K=1) for _ in range(num_gene_gnn_layers))
+        self.sim_layers = nn.ModuleList(SGConv(H, H, K=1) for _ in range(num_go_gnn_layers))
         self.emb_trans_v2 = MLP([H, H, H])
         self.pert_fuse = MLP([H, H, H])
         self.bn_pert_base = WeightedBatchNorm1d(H)

@@ -1,0 +1,85 @@
+"""Tiny hand-made screens and gene -> GO files shared by the data-layer tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anndata as ad
+import numpy as np
+import pandas as pd
+
+# Small enough that loading takes ~1 s, large enough for every split type at its defaults.
+SYNTHETIC_PARAMS = dict(
+    n_genes=60, n_single=20, n_double=20, cells_per_condition=6, n_control_cells=40, n_modules=4
+)
+
+GENES = [f"G{i:02d}" for i in range(25)]
+# Raw spellings as users write them -> the canonical name the pipeline must produce.
+RAW_TO_CANONICAL = {
+    "control": "ctrl",
+    "G00": "G00+ctrl",
+    "ctrl+G01": "G01+ctrl",
+    "G02+ctrl": "G02+ctrl",
+    "G03": "G03+ctrl",
+    "G03+G00": "G00+G03",
+}
+UP = {"G00+ctrl": "G00", "G01+ctrl": "G01", "G03+ctrl": "G03"}  # gene raised 4 units
+DOWN = {"G02+ctrl": "G02"}  # gene lowered from 5 to ~0.1
+ALWAYS_ZERO = "G20"  # zero in every cell: a true zero, non-dropout everywhere
+DROPPED_IN_G00 = "G21"  # expressed in ctrl, zero in G00+ctrl: a dropout there
+ONLY_IN_G01 = "G22"  # zero in ctrl, expressed in G01+ctrl
+
+
+def tiny_screen(cells_per_condition: int = 12, n_ctrl: int = 30, seed: int = 0) -> ad.AnnData:
+    """A hand-made screen over GENES with raw spellings (RAW_TO_CANONICAL) and known DE genes.
+
+    X [cells, 25] dense float32 >= 0: baseline 1 + |noise| (G02 baseline 5); in each condition of
+    UP its gene is +4, in DOWN its gene drops to ~0.1; G20/G21/G22 follow the comments above.
+    """
+    rng = np.random.default_rng(seed)
+    raw = np.repeat(
+        list(RAW_TO_CANONICAL),
+        [n_ctrl if r == "control" else cells_per_condition for r in RAW_TO_CANONICAL],
+    )
+    canon = np.array([RAW_TO_CANONICAL[r] for r in raw])
+    idx = {g: i for i, g in enumerate(GENES)}
+    X = 1.0 + 0.3 * np.abs(rng.standard_normal((len(raw), len(GENES))))
+    X[:, idx["G02"]] += 4.0
+    for cond, gene in UP.items():
+        X[canon == cond, idx[gene]] += 4.0
+    X[canon == "G00+G03", idx["G00"]] += 4.0
+    X[canon == "G00+G03", idx["G03"]] += 4.0
+    for cond, gene in DOWN.items():
+        X[canon == cond, idx[gene]] = 0.1 * rng.random((canon == cond).sum())
+    X[:, idx[ALWAYS_ZERO]] = 0.0
+    X[canon == "G00+ctrl", idx[DROPPED_IN_G00]] = 0.0
+    X[canon != "G01+ctrl", idx[ONLY_IN_G01]] = 0.0
+    obs = pd.DataFrame({"condition": raw}, index=[f"cell{i:03d}" for i in range(len(raw))])
+    return ad.AnnData(X=X.astype(np.float32), obs=obs, var=pd.DataFrame(index=GENES))
+
+
+def tiny_gene2go(genes: list[str] = GENES) -> dict[str, set[str]]:
+    """Every gene gets a shared term, a term shared with its neighbour and one of its own."""
+    return {
+        g: {"GO:0000001", f"GO:{100 + i // 2:07d}", f"GO:{900 + i:07d}"}
+        for i, g in enumerate(genes)
+    }
+
+
+def write_gene2go(path: Path, gene2go: dict[str, set[str]]) -> Path:
+    """`gene<TAB>GO:1,GO:2` lines, the TSV format PertData reads."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [f"{g}\t{','.join(sorted(t))}" for g, t in sorted(gene2go.items())]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def canonical_by_hand(raw: str) -> str:
+    """GEARS spelling of a `control` / `GENE` / `GENE1+GENE2` name, written out plainly."""
+    if raw == "control":
+        return "ctrl"
+    genes = raw.split("+")
+    if len(genes) == 1:
+        return f"{genes[0]}+ctrl"
+    return "+".join(sorted(genes))

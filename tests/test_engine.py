@@ -1,0 +1,296 @@
+"""The training engine: accumulation, precision, checkpoints, resume, the GEARS facade."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from gears import checkpoint as ckpt
+from gears.api import GEARS
+from gears.config import TrainConfig
+from gears.data.pertdata import PertData
+from gears.distributed import DistEnv
+from gears.engine import Trainer, autocast_dtype, seed_everything
+from gears.errors import GearsInputError
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = {
+    "n_genes": 60,
+    "n_single": 16,
+    "n_double": 12,
+    "cells_per_condition": 16,
+    "n_control_cells": 128,
+    "n_modules": 4,
+}
+TINY_CLI = (
+    "{n_genes: 60, n_single: 16, n_double: 12, cells_per_condition: 16, "
+    "n_control_cells: 128, n_modules: 4}"
+)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> PertData:
+    pd_ = PertData(tmp_path_factory.mktemp("data"), verbose=False)
+    pd_.load("synthetic", synthetic_params=TINY)
+    return pd_.prepare_split("simulation", seed=1)
+
+
+def build(pd_: PertData, hidden: int = 16, seed: int = 0) -> GEARS:
+    seed_everything(seed)
+    model = GEARS(pd_, device="cpu")
+    return model.model_initialize(hidden_size=hidden)
+
+
+def train(pd_: PertData, model: GEARS, **kw) -> Trainer:
+    cfg = TrainConfig(**kw)
+    loaders = pd_.get_dataloader_distributed(
+        cfg.batch_size, 64, batching=cfg.batching, cells_per_group=cfg.cells_per_group
+    )
+    trainer = Trainer(model.model, pd_, cfg, model.model_config(), DistEnv())
+    trainer.fit(loaders, progress=False)
+    return trainer
+
+
+def params(model: GEARS) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.model.state_dict().items()}
+
+
+class ListLoader:
+    """A fixed sequence of batches with the loader interface the engine uses."""
+
+    def __init__(self, batches):
+        self.batches = batches
+
+    def set_epoch(self, epoch):
+        pass
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self):
+        return len(self.batches)
+
+
+def group_batches(pd_: PertData, n_conditions: int, cells: int, per_batch: int):
+    """Batches of `per_batch` distinct training conditions x `cells` cells, no condition twice."""
+    ds = pd_.example_set("train")
+    conds = [c for c in np.unique(ds.cond) if c != pd_.ctrl_id][:n_conditions]
+    ids = [np.flatnonzero(ds.cond == c)[:cells] for c in conds]
+    return [ds[np.concatenate(ids[i : i + per_batch])] for i in range(0, len(ids), per_batch)]
+
+
+def fit_on(pd_: PertData, model: GEARS, batches, **kw) -> Trainer:
+    cfg = TrainConfig(**{"epochs": 1, "schedule": "constant", **kw})
+    trainer = Trainer(model.model, pd_, cfg, model.model_config(), DistEnv())
+    trainer.fit({"train_loader": ListLoader(batches)}, progress=False)
+    return trainer
+
+
+SGD = dict(optimizer="sgd", lr=0.01, weight_decay=0.0, grad_clip=0.0, freeze_batchnorm=True)
+
+
+def test_accumulation_equals_one_large_batch(tiny):
+    """2 micro-batches of 2 conditions with accumulation = 1 batch of the 4 conditions: GEARS's
+    loss is a mean over the perturbations of a batch, so the two agree when each micro-batch holds
+    whole perturbation groups, equally many. Batch-norm frozen (batch statistics differ by
+    definition); SGD, because Adam's per-element normalisation turns float noise in near-zero
+    gradients into full-size steps."""
+    micro = group_batches(tiny, 8, 4, 2)
+    large = group_batches(tiny, 8, 4, 4)
+    a, b = build(tiny), build(tiny)
+    ta = fit_on(tiny, a, micro, grad_accum_steps=2, **SGD)
+    tb = fit_on(tiny, b, large, grad_accum_steps=1, **SGD)
+    assert ta.step == tb.step == 2
+    pa, pb, p0 = params(a), params(b), params(build(tiny))
+    moved = [k for k in pa if not torch.equal(pa[k], p0[k])]
+    assert len(moved) > 20  # training really changed the weights
+    for k in pa:
+        torch.testing.assert_close(pa[k], pb[k], atol=1e-5, rtol=1e-4, msg=k)
+
+
+def test_accumulation_differs_without_accumulation(tiny):
+    """The check above can fail: the same micro-batches as separate steps give other weights."""
+    micro = group_batches(tiny, 8, 4, 2)
+    large = group_batches(tiny, 8, 4, 4)
+    a, b = build(tiny), build(tiny)
+    fit_on(tiny, a, micro, grad_accum_steps=1, **SGD)
+    fit_on(tiny, b, large, grad_accum_steps=1, **SGD)
+    diffs = [(params(a)[k] - params(b)[k]).abs().max().item() for k in params(a)]
+    assert max(diffs) > 1e-3
+
+
+def test_bf16_trains_close_to_fp32(tiny):
+    """bf16 autocast learns the training perturbations as fp32 does (fit measured on train)."""
+    from gears.evaluate import Evaluator
+
+    untrained = Evaluator(tiny, net=build(tiny).model).quick("train")["mse_de"]
+    fit, val = {}, {}
+    for precision in ("fp32", "bf16"):
+        model = build(tiny)
+        history = train(
+            tiny, model, epochs=3, batch_size=16, lr=5e-3, precision=precision, schedule="constant"
+        ).history
+        assert np.isfinite(history.train_loss).all()
+        fit[precision] = Evaluator(tiny, net=model.model).quick("train")["mse_de"]
+        val[precision] = history.val[-1]["mse_de"]
+    assert fit["fp32"] < 0.9 * untrained  # it learns
+    assert fit["bf16"] < 0.9 * untrained
+    assert abs(fit["bf16"] - fit["fp32"]) < 0.15 * fit["fp32"]
+    assert abs(val["bf16"] - val["fp32"]) < 0.1 * val["fp32"]
+
+
+def test_fp16_on_cpu_is_a_clear_error():
+    with pytest.raises(GearsInputError, match="fp16 needs a CUDA device"):
+        autocast_dtype("fp16", torch.device("cpu"))
+    assert autocast_dtype("bf16", torch.device("cpu")) == torch.bfloat16
+    assert autocast_dtype("fp32", torch.device("cpu")) is None
+
+
+def test_gradients_reach_graph_embeddings_after_many_steps(tiny):
+    """Regression: PyG SGConv(cached=True) detaches its input after the first call, which froze
+    the perturbation and positional embeddings. They must keep learning."""
+    model = build(tiny)
+    before = params(model)
+    train(tiny, model, epochs=1, batch_size=16, limit_batches=5, schedule="constant")
+    after = params(model)
+    for name in ("pert_emb.weight", "emb_pos.weight", "gene_emb.weight"):
+        assert not torch.equal(before[name], after[name]), name
+    net = model.model
+    net.train()
+    for _ in range(2):  # a second forward must still reach pert_emb
+        net.zero_grad()
+        out = net(torch.tensor([[0, 1], [2, -1]]), torch.tensor([3.0, 2.0]))
+        out.pow(2).mean().backward()
+        assert net.pert_emb.weight.grad.abs().sum() > 0
+        assert net.emb_pos.weight.grad.abs().sum() > 0
+
+
+def test_checkpoint_truncated_gives_clear_error_previous_loads(tmp_path):
+    folder = tmp_path / "checkpoints"
+    for epoch in (1, 2):
+        ckpt.atomic_save(
+            {"epoch": epoch, "w": torch.randn(1000)}, ckpt.checkpoint_path(folder, epoch)
+        )
+    newest = ckpt.checkpoint_path(folder, 2)
+    data = newest.read_bytes()
+    newest.write_bytes(data[: len(data) // 2])
+    with pytest.raises(GearsInputError, match="truncated"):
+        ckpt.load(newest)
+    messages = []
+    state = ckpt.load_latest(folder, log=messages.append)
+    assert state["epoch"] == 1
+    assert "epoch_0002.pt" in messages[0]
+
+
+def test_atomic_save_keeps_old_file_when_writing_fails(tmp_path):
+    path = tmp_path / "model.pt"
+    ckpt.atomic_save({"ok": 1}, path)
+
+    class Unpicklable:
+        def __reduce__(self):
+            raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        ckpt.atomic_save({"bad": Unpicklable()}, path)
+    assert ckpt.load(path) == {"ok": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["model.pt"]  # no temp file left behind
+
+
+def test_predict_save_load_roundtrip_and_module_prefix(tiny, tmp_path):
+    model = build(tiny)
+    train(tiny, model, epochs=1, batch_size=32, limit_batches=3)
+    genes = list(tiny.pert_names[:2])
+    pred = model.predict([[genes[0]], genes])
+    assert set(pred) == {genes[0], "_".join(genes)}
+    assert pred[genes[0]].shape == (tiny.n_genes,)
+    model.save_model(tmp_path / "m")
+    again = GEARS(tiny, device="cpu").load_pretrained(tmp_path / "m")
+    pred2 = again.predict([[genes[0]], genes])
+    np.testing.assert_allclose(pred2[genes[0]], pred[genes[0]], rtol=1e-6)
+    # Weights saved from a DDP-wrapped model carry a `module.` prefix: still loadable.
+    state = ckpt.load(tmp_path / "m" / "model.pt")
+    state["state_dict"] = {f"module.{k}": v for k, v in state["state_dict"].items()}
+    ckpt.atomic_save(state, tmp_path / "m" / "model.pt")
+    pred3 = GEARS(tiny, device="cpu").load_pretrained(tmp_path / "m").predict([genes])
+    np.testing.assert_allclose(pred3["_".join(genes)], pred["_".join(genes)], rtol=1e-6)
+    with pytest.raises(GearsInputError, match="not in the perturbation graph"):
+        model.predict([["NOT_A_GENE"]])
+
+
+def test_predict_equals_mean_of_per_cell_predictions(tiny):
+    """predict() runs once per perturbation; GEARS averages per-control-cell predictions. In eval
+    mode the two are the same number: response + mean control expression."""
+    model = build(tiny)
+    train(tiny, model, epochs=1, batch_size=32, limit_batches=2)
+    gene = str(tiny.pert_names[3])
+    net = model.model.eval()
+    x = tiny.expr.rows(tiny.ctrl_rows)
+    index = torch.full((len(x), 2), -1)
+    index[:, 0] = tiny.node_map_pert[gene]
+    with torch.no_grad():
+        per_cell = (net(index) + x).mean(0).numpy()
+    np.testing.assert_allclose(model.predict([[gene]])[gene], per_cell, atol=1e-5)
+
+
+def test_gi_predict_returns_gears_keys(tiny):
+    model = build(tiny)
+    genes = list(tiny.pert_names[:2])
+    scores = model.GI_predict(genes)
+    for key in ("c1", "c2", "mag", "dcor", "corr_fit", "dominance", "eq_contr"):
+        assert np.isfinite(scores[key]) or key == "dominance", key
+
+
+def _run_cli(out_dir: Path, data_dir: Path, *extra: str, env=None) -> subprocess.CompletedProcess:
+    cmd = [
+        sys.executable,
+        str(ROOT / "train_single.py"),
+        f"out_dir={out_dir}",
+        f"data.data_dir={data_dir}",
+        "wandb.mode=disabled",
+        "device=cpu",
+        f"data.synthetic={TINY_CLI}",
+        "model.hidden_size=16",
+        "train.epochs=3",
+        *extra,
+    ]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=600)
+
+
+@pytest.mark.slow
+def test_kill_and_resume_matches_uninterrupted_run(tmp_path):
+    data = tmp_path / "data"
+    whole = _run_cli(tmp_path / "whole", data)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    killed = _run_cli(tmp_path / "resumed", data, env={"GEARS_FAULT_KILL": "0:epoch:1"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path / "resumed" / "checkpoints")] == [
+        "epoch_0001.pt"
+    ]
+    resumed = _run_cli(tmp_path / "resumed", data, "train.resume=true")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed from" in resumed.stdout
+    a = ckpt.load(tmp_path / "whole" / "model" / "model.pt")["state_dict"]
+    b = ckpt.load(tmp_path / "resumed" / "model" / "model.pt")["state_dict"]
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-6, msg=k)
+    ma = json.loads((tmp_path / "whole" / "metrics.json").read_text())
+    mb = json.loads((tmp_path / "resumed" / "metrics.json").read_text())
+    assert ma["test"]["mse_de"] == pytest.approx(mb["test"]["mse_de"], rel=1e-6)
+    assert ma["history"]["train_loss"] == pytest.approx(mb["history"]["train_loss"], rel=1e-6)
+
+
+def test_bad_config_key_is_one_clear_line(tmp_path):
+    result = _run_cli(tmp_path / "x", tmp_path / "d", "train.epoch=3")
+    assert result.returncode == 2
+    assert "unknown config key 'train.epoch'" in result.stderr
+    assert "train.epochs" in result.stderr  # the suggestion / list of valid keys
+    assert "Traceback" not in result.stderr

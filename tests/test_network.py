@@ -1,0 +1,531 @@
+"""Tests for gears/model/network.py: weighted batch-norm, dedup exactness, GEARSNet wiring."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gears.model.network import GEARSNet, WeightedBatchNorm1d, all_rows_max_norm
+
+G, P, H = 24, 10, 8  # genes, perturbable genes, hidden size
+
+
+# ----------------------------------------------------------------------------- helpers
+def _graph(n: int, n_edges: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random weighted directed graph on n nodes without self loops: ([2, E], [E])."""
+    src = torch.randint(0, n, (n_edges,), generator=gen)
+    dst = (src + torch.randint(1, n, (n_edges,), generator=gen)) % n
+    return torch.stack([src, dst]), torch.rand(n_edges, generator=gen) + 0.1
+
+
+def _make_net(
+    seed: int = 0, uncertainty: bool = False, go_seed: int = 0, co_seed: int = 0
+) -> GEARSNet:
+    """A tiny GEARSNet in float64 (weights from `seed`) with random GO and co-expression graphs."""
+    go = _graph(P, 40, torch.Generator().manual_seed(100 + go_seed))
+    co = _graph(G, 60, torch.Generator().manual_seed(200 + co_seed))
+    torch.manual_seed(seed)
+    return GEARSNet(G, P, *go, *co, hidden_size=H, uncertainty=uncertainty).double()
+
+
+# Distinct perturbation rows of a batch: control, singles, doubles (-1 padded).
+UNIQ = torch.tensor([[-1, -1], [0, -1], [1, 3], [2, -1], [4, 5], [3, -1]])
+# Which distinct row each of 14 cells has: repeated perturbations, two controls, order mixed.
+INVERSE = torch.tensor([0, 1, 1, 2, 0, 3, 1, 4, 2, 4, 1, 5, 3, 1])
+COUNTS = torch.bincount(INVERSE, minlength=len(UNIQ))
+
+
+def _cell_loss(out, inverse: torch.Tensor, gathered: bool, seed: int = 7) -> torch.Tensor:
+    """A loss that treats every cell differently (own control x, target y, per-cell weight)."""
+    gen = torch.Generator().manual_seed(seed)
+    n = len(inverse)
+    x = torch.randn(n, G, generator=gen, dtype=torch.float64)
+    y = torch.randn(n, G, generator=gen, dtype=torch.float64)
+    c = torch.rand(n, 1, generator=gen, dtype=torch.float64) + 0.5
+    delta, logvar = out if isinstance(out, tuple) else (out, None)
+    if gathered:
+        delta = delta[inverse]
+        logvar = None if logvar is None else logvar[inverse]
+    loss = (c * ((delta + x - y) ** 2)).sum() + (c * torch.tanh(delta) ** 3).sum()
+    if logvar is not None:
+        loss = loss + (c * (torch.exp(-logvar) * (delta + x - y) ** 2 + logvar)).sum()
+    return loss
+
+
+def _assert_close(
+    a: torch.Tensor, b: torch.Tensor, tol: float = 1e-5, name: str = "", floor: float = 1e-12
+) -> None:
+    """max|a - b| <= tol * max|b| + floor. Batch-norm statistics are computed in float32 even
+    for a float64 net, so exactness holds to float32 rounding relative to the tensor's scale."""
+    assert a.shape == b.shape, name
+    err = (a.double() - b.double()).abs().max().item()
+    scale = b.double().abs().max().item()
+    assert err <= tol * scale + floor, f"{name}: max error {err:.3g} vs scale {scale:.3g}"
+
+
+def _max_grad(net: nn.Module) -> float:
+    return max(p.grad.abs().max().item() for p in net.parameters() if p.grad is not None)
+
+
+def _assert_same_state(a: nn.Module, b: nn.Module, tol: float = 1e-5) -> None:
+    """Same parameter gradients and the same buffers (running stats, batches tracked).
+    Gradients that are zero by design (biases cancelled by batch-norm) are float32 noise, so
+    the comparison has a floor relative to the largest gradient."""
+    floor = 1e-6 * _max_grad(b)
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        assert (pa.grad is None) == (pb.grad is None), name
+        if pa.grad is not None:
+            _assert_close(pa.grad, pb.grad, tol, name, floor)
+    for (name, ba), (_, bb) in zip(a.named_buffers(), b.named_buffers()):
+        # Some running means are ~1e-8 (a batch-norm input that is itself normalised).
+        _assert_close(ba, bb, tol, name, floor=1e-7)
+
+
+# ----------------------------------------------------------------------------- WeightedBatchNorm1d
+def _bn_pair(c: int = 5, seed: int = 0) -> tuple[WeightedBatchNorm1d, nn.BatchNorm1d]:
+    torch.manual_seed(seed)
+    wbn = WeightedBatchNorm1d(c).double()
+    with torch.no_grad():  # non-trivial affine parameters and running stats
+        wbn.weight.copy_(torch.rand(c) + 0.5)
+        wbn.bias.copy_(torch.randn(c))
+        wbn.running_mean.copy_(torch.randn(c))
+        wbn.running_var.copy_(torch.rand(c) + 0.5)
+    ref = nn.BatchNorm1d(c).double()
+    ref.load_state_dict(wbn.state_dict())
+    return wbn, ref
+
+
+@pytest.mark.parametrize("weights", [[1, 1, 1, 1], [3, 1, 2, 5], [1, 4, 1, 1, 2, 7]])
+def test_weighted_bn_equals_batchnorm_on_repeated_rows(weights):
+    wbn, ref = _bn_pair()
+    w = torch.tensor(weights)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(len(w), 5, generator=gen, dtype=torch.float64) * 3 + 1
+    inverse = torch.repeat_interleave(torch.arange(len(w)), w)
+    target = torch.randn(len(inverse), 5, generator=gen, dtype=torch.float64)
+
+    xw = x.clone().requires_grad_()
+    yw = wbn(xw, w)
+    ((yw[inverse] - target) ** 3).sum().backward()
+    xr = x.clone().requires_grad_()
+    yr = ref(xr[inverse])  # the per-cell batch; autograd sums gradients over the repeats
+    ((yr - target) ** 3).sum().backward()
+
+    torch.testing.assert_close(yw[inverse], yr, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(xw.grad, xr.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(wbn.weight.grad, ref.weight.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(wbn.bias.grad, ref.bias.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(wbn.running_mean, ref.running_mean, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(wbn.running_var, ref.running_var, rtol=1e-5, atol=1e-6)
+    assert int(wbn.num_batches_tracked) == 1
+
+
+def test_weighted_bn_running_stats_by_hand():
+    """running = 0.9 old + 0.1 batch, with the unbiased n/(n-1) correction for n = total weight."""
+    wbn, _ = _bn_pair(c=2)
+    old_mean, old_var = wbn.running_mean.clone(), wbn.running_var.clone()
+    x = torch.tensor([[1.0, 0.0], [2.0, 4.0], [4.0, -2.0]], dtype=torch.float64)
+    w = torch.tensor([2.0, 1.0, 1.0])  # 4 cells: rows 1, 1, 2, 4 of column 0
+    wbn(x, w)
+    col0, col1 = [1.0, 1.0, 2.0, 4.0], [0.0, 0.0, 4.0, -2.0]
+    for j, col in enumerate([col0, col1]):
+        mean = sum(col) / 4
+        var_unbiased = sum((v - mean) ** 2 for v in col) / 3
+        assert wbn.running_mean[j].item() == pytest.approx(0.9 * old_mean[j].item() + 0.1 * mean)
+        assert wbn.running_var[j].item() == pytest.approx(
+            0.9 * old_var[j].item() + 0.1 * var_unbiased
+        )
+
+
+def test_weighted_bn_zero_weight_rows_are_excluded():
+    wbn, ref = _bn_pair()
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(5, 5, generator=gen, dtype=torch.float64)
+    w = torch.tensor([1.0, 0.0, 2.0, 1.0, 0.0])
+    keep = w > 0
+    y = wbn(x, w)
+    y_ref = ref(x[keep].repeat_interleave(w[keep].long(), 0))
+    torch.testing.assert_close(y[keep].repeat_interleave(w[keep].long(), 0), y_ref)
+    torch.testing.assert_close(wbn.running_mean, ref.running_mean)
+    torch.testing.assert_close(wbn.running_var, ref.running_var)
+    # An excluded row is normalised with the other rows' statistics.
+    kept = x[keep].repeat_interleave(w[keep].long(), 0)
+    mean, var = kept.mean(0), kept.var(0, unbiased=False)
+    expected = (x[~keep] - mean) / torch.sqrt(var + wbn.eps) * wbn.weight + wbn.bias
+    torch.testing.assert_close(y[~keep], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_weighted_bn_scalar_weight_equals_repeating_every_row():
+    wbn, ref = _bn_pair()
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 5, generator=gen, dtype=torch.float64) * 2 - 1
+    inverse = torch.arange(4).repeat_interleave(3)
+    target = torch.randn(12, 5, generator=gen, dtype=torch.float64)
+    xw = x.clone().requires_grad_()
+    ((wbn(xw, 3.0)[inverse] - target) ** 2).sum().backward()
+    xr = x.clone().requires_grad_()
+    ((ref(xr[inverse]) - target) ** 2).sum().backward()
+    torch.testing.assert_close(xw.grad, xr.grad)
+    torch.testing.assert_close(wbn.weight.grad, ref.weight.grad)
+    torch.testing.assert_close(wbn.bias.grad, ref.bias.grad)
+    # n = 12 cells in the unbiased correction, not 4 rows.
+    torch.testing.assert_close(wbn.running_var, ref.running_var)
+    torch.testing.assert_close(wbn.running_mean, ref.running_mean)
+
+
+def test_weighted_bn_no_weight_equals_batchnorm():
+    wbn, ref = _bn_pair()
+    x = torch.randn(6, 5, dtype=torch.float64)
+    torch.testing.assert_close(wbn(x), ref(x))
+    torch.testing.assert_close(wbn.running_var, ref.running_var)
+
+
+def test_weighted_bn_eval_uses_running_stats():
+    wbn, _ = _bn_pair()
+    wbn.eval()
+    x = torch.randn(3, 5, dtype=torch.float64)
+    before = wbn.running_mean.clone()
+    expected = (x - wbn.running_mean) / torch.sqrt(wbn.running_var + wbn.eps) * wbn.weight
+    expected = expected + wbn.bias
+    torch.testing.assert_close(wbn(x, torch.tensor([5.0, 1.0, 2.0])), expected)
+    torch.testing.assert_close(wbn(x[:1], 4.0), expected[:1])
+    assert torch.equal(wbn.running_mean, before)
+    assert int(wbn.num_batches_tracked) == 0
+
+
+@pytest.mark.parametrize("weight", [torch.tensor([1.0]), torch.tensor([3.0]), 3.0])
+def test_weighted_bn_single_row_in_training(weight):
+    """One distinct row standing for n identical cells: zero variance, output = beta."""
+    wbn, ref = _bn_pair()
+    x = torch.randn(1, 5, dtype=torch.float64)
+    y = wbn(x, weight)
+    # (x - mean) is float32 rounding, amplified by 1 / sqrt(eps): equal to beta within 1e-4.
+    torch.testing.assert_close(y, wbn.bias.detach().unsqueeze(0), rtol=0, atol=1e-4)
+    n = int(weight.item() if torch.is_tensor(weight) else weight)
+    if n > 1:  # nn.BatchNorm1d on the n identical cells gives the same running stats
+        ref(x.expand(n, 5))
+        torch.testing.assert_close(wbn.running_mean, ref.running_mean)
+        torch.testing.assert_close(wbn.running_var, ref.running_var)
+
+
+def test_weighted_bn_momentum_none_is_cumulative_average():
+    """momentum=None means a cumulative moving average in nn.BatchNorm1d."""
+    torch.manual_seed(0)
+    wbn = WeightedBatchNorm1d(3, momentum=None).double()
+    ref = nn.BatchNorm1d(3, momentum=None).double()
+    x = torch.randn(5, 3, dtype=torch.float64)
+    for _ in range(3):
+        wbn(x, torch.ones(5))
+        ref(x)
+        x = 2 * x + 1
+    torch.testing.assert_close(wbn.running_mean, ref.running_mean)
+    torch.testing.assert_close(wbn.running_var, ref.running_var)
+
+
+# ----------------------------------------------------------------------------- all_rows_max_norm
+def test_all_rows_max_norm_renormalises_long_rows_only():
+    emb = nn.Embedding(6, 4)
+    with torch.no_grad():
+        emb.weight.copy_(torch.randn(6, 4))
+        emb.weight[0] = torch.tensor([3.0, 4.0, 0.0, 0.0])  # norm 5
+        emb.weight[1] = torch.tensor([0.3, 0.4, 0.0, 0.0])  # norm 0.5
+        emb.weight[2] = torch.tensor([0.6, 0.8, 0.0, 0.0])  # norm 1 exactly: not > 1
+    before = emb.weight.detach().clone()
+    out = all_rows_max_norm(emb)
+    norms = before.norm(dim=1)
+    long_rows = norms > 1
+    assert long_rows.any() and (~long_rows).any()
+    torch.testing.assert_close(
+        out[long_rows].norm(dim=1), torch.ones(int(long_rows.sum())), rtol=0, atol=1e-6
+    )
+    torch.testing.assert_close(
+        out[long_rows], before[long_rows] / norms[long_rows, None], rtol=0, atol=1e-6
+    )
+    assert torch.equal(out[~long_rows], before[~long_rows])
+    # In place, and the parameter itself is returned so gradients reach it.
+    assert out is emb.weight
+    torch.testing.assert_close(emb.weight[0], torch.tensor([0.6, 0.8, 0.0, 0.0]))
+
+
+def test_all_rows_max_norm_matches_torch_embedding_max_norm():
+    torch.manual_seed(4)
+    emb = nn.Embedding(10, 5)
+    with torch.no_grad():
+        emb.weight.mul_(torch.linspace(0.05, 1.5, 10).unsqueeze(1))
+    ref_weight = emb.weight.detach().clone()
+    looked_up = F.embedding(torch.arange(10), ref_weight, max_norm=1.0)  # renorms ref in place
+    out = all_rows_max_norm(emb)
+    torch.testing.assert_close(out.detach(), ref_weight, rtol=0, atol=1e-6)
+    torch.testing.assert_close(out.detach(), looked_up, rtol=0, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- GEARSNet: dedup
+@pytest.mark.parametrize("uncertainty", [False, True])
+def test_dedup_rows_with_counts_equal_per_cell_batch(uncertainty):
+    net_u = _make_net(uncertainty=uncertainty)
+    net_c = copy.deepcopy(net_u)
+    net_u.train()
+    net_c.train()
+    out_u = net_u(UNIQ, COUNTS)
+    out_c = net_c(UNIQ[INVERSE])  # every cell its own row: the original GEARS batch
+    if uncertainty:
+        assert isinstance(out_u, tuple) and isinstance(out_c, tuple)
+        _assert_close(out_u[1][INVERSE], out_c[1], name="logvar")
+    delta_u = out_u[0] if uncertainty else out_u
+    delta_c = out_c[0] if uncertainty else out_c
+    _assert_close(delta_u[INVERSE], delta_c, name="delta")
+
+    _cell_loss(out_u, INVERSE, gathered=True).backward()
+    _cell_loss(out_c, INVERSE, gathered=False).backward()
+    _assert_same_state(net_u, net_c)
+    assert int(net_u.bn_pert_base.num_batches_tracked) == 1
+
+
+def test_uniform_scalar_counts_equal_tensor_counts_and_repeated_cells():
+    rows = UNIQ[1:5]
+    nets = [_make_net() for _ in range(3)]
+    out_scalar = nets[0](rows, 3.0)
+    out_tensor = nets[1](rows, torch.full((len(rows),), 3))
+    inverse = torch.arange(len(rows)).repeat_interleave(3)
+    out_cells = nets[2](rows[inverse])
+    _assert_close(out_scalar, out_tensor)
+    _assert_close(out_scalar[inverse], out_cells)
+    _cell_loss(out_scalar, inverse, gathered=True).backward()
+    _cell_loss(out_tensor, inverse, gathered=True).backward()
+    _cell_loss(out_cells, inverse, gathered=False).backward()
+    _assert_same_state(nets[0], nets[1])
+    _assert_same_state(nets[0], nets[2])
+
+
+def test_control_rows_take_no_part_in_fusion_statistics():
+    """GEARS fuses the perturbed cells only: adding control cells to a batch leaves the fusion
+    MLP's statistics (and so its running stats) as they were."""
+    with_ctrl, without = _make_net(), _make_net()
+    with_ctrl(UNIQ, COUNTS)
+    without(UNIQ[1:], COUNTS[1:])
+    assert bool((UNIQ[0] == -1).all()) and bool((UNIQ[1:] >= 0).any(1).all())
+    for (name, a), (_, b) in zip(
+        with_ctrl.pert_fuse.named_buffers(), without.pert_fuse.named_buffers()
+    ):
+        _assert_close(a, b, name=name, floor=1e-7)
+    # ...whereas the gene-level batch-norms see every cell.
+    assert not torch.allclose(with_ctrl.bn_pert_base.running_var, without.bn_pert_base.running_var)
+
+
+# ----------------------------------------------------------------------------- batch independence
+def test_eval_row_output_independent_of_batch_position_and_company():
+    net = _make_net().eval()
+    with torch.no_grad():
+        together = net(UNIQ, COUNTS)
+        for k in range(len(UNIQ)):
+            alone = net(UNIQ[k : k + 1])
+            torch.testing.assert_close(alone[0], together[k], rtol=1e-6, atol=1e-8)
+        perm = torch.tensor([4, 2, 5, 0, 3, 1])
+        torch.testing.assert_close(net(UNIQ[perm], COUNTS[perm]), together[perm])
+
+
+def test_train_output_is_permutation_equivariant():
+    net_a = _make_net()
+    net_b = copy.deepcopy(net_a)
+    perm = torch.tensor([4, 2, 5, 0, 3, 1])
+    out_a = net_a(UNIQ, COUNTS)
+    out_b = net_b(UNIQ[perm], COUNTS[perm])
+    _assert_close(out_b, out_a[perm])
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_coexpression_graph_reaches_every_row(mode):
+    """GEARS ran the co-expression SGConv on B*G nodes with edges for the first G only, so
+    only the first cell of a batch saw the graph. Here a different graph changes every row."""
+    net_a = _make_net(co_seed=1)
+    net_b = _make_net(co_seed=2, seed=9)
+    net_b.load_state_dict(net_a.state_dict())  # same weights; graphs are non-persistent buffers
+    assert not torch.equal(net_a.co_edge_index, net_b.co_edge_index)
+    assert torch.equal(net_a.go_edge_index, net_b.go_edge_index)
+    for net in (net_a, net_b):
+        net.train(mode == "train")
+    with torch.no_grad():
+        diff = (net_a(UNIQ, COUNTS) - net_b(UNIQ, COUNTS)).abs().amax(1)
+    assert (diff > 1e-6).all(), diff
+
+
+def test_go_graph_changes_perturbed_rows_only_in_eval():
+    net_a = _make_net()
+    net_b = _make_net(go_seed=5, seed=9)  # another GO graph, the same co-expression graph
+    net_b.load_state_dict(net_a.state_dict())
+    assert torch.equal(net_a.co_edge_index, net_b.co_edge_index)
+    net_a.eval()
+    net_b.eval()
+    with torch.no_grad():
+        diff = (net_a(UNIQ) - net_b(UNIQ)).abs().amax(1)
+    assert diff[0] == 0  # control row: no perturbation embedding involved
+    assert (diff[1:] > 1e-6).all(), diff
+
+
+# ----------------------------------------------------------------------------- shapes and grads
+def test_output_shapes():
+    net = _make_net()
+    assert net(UNIQ, COUNTS).shape == (len(UNIQ), G)
+    net_unc = _make_net(uncertainty=True)
+    delta, logvar = net_unc(UNIQ, COUNTS)
+    assert delta.shape == logvar.shape == (len(UNIQ), G)
+    net_unc.eval()
+    delta, logvar = net_unc(UNIQ[:2])
+    assert delta.shape == logvar.shape == (2, G)
+
+
+def _biases_cancelled_by_bn(net: nn.Module) -> set[str]:
+    """Biases that shift every row of a batch-norm's batch equally, so that it cancels them
+    (zero gradient by design, as in GEARS): each MLP Linear's; the co-expression SGConv's (one
+    constant on every gene before emb_trans_v2's batch-norm); emb_trans_v2's last beta (one
+    constant on every gene of every row before bn_pert_base)."""
+    names = {n for n, _ in net.named_parameters() if ".linears." in n and n.endswith(".bias")}
+    last = len(net.emb_trans_v2.norms) - 1
+    return (
+        names
+        | {f"layers_emb_pos.{i}.lin.bias" for i in range(len(net.layers_emb_pos))}
+        | {f"emb_trans_v2.norms.{last}.bias"}
+    )
+
+
+def test_every_parameter_that_should_learn_gets_gradient():
+    net = _make_net(uncertainty=True)
+    _cell_loss(net(UNIQ, COUNTS), INVERSE, gathered=True).backward()
+    expected = {
+        "gene_emb.weight",
+        "emb_pos.weight",
+        "pert_emb.weight",
+        "bn_emb.weight",
+        "bn_emb.bias",
+        "layers_emb_pos.0.lin.weight",  # co-expression SGConv
+        "sim_layers.0.lin.weight",  # GO SGConv
+        "sim_layers.0.lin.bias",  # once in a single, twice in a double: not cancelled
+        "bn_pert_base.weight",
+        "bn_pert_base.bias",
+        "indv_w1",
+        "indv_b1",
+        "indv_w2",
+        "indv_b2",
+    }
+    for mlp, depth in [
+        ("emb_trans_v2", 2),
+        ("pert_fuse", 2),
+        ("recovery_w", 2),
+        ("cross_gene_state", 2),
+        ("uncertainty_w", 3),
+    ]:
+        for i in range(depth):
+            expected |= {
+                f"{mlp}.linears.{i}.weight",
+                f"{mlp}.norms.{i}.weight",
+                f"{mlp}.norms.{i}.bias",
+            }
+    expected.discard(f"emb_trans_v2.norms.{len(net.emb_trans_v2.norms) - 1}.bias")
+    cancelled = _biases_cancelled_by_bn(net)
+    names = {n for n, _ in net.named_parameters()}
+    assert expected | cancelled == names and not expected & cancelled
+    # Float32 batch-norm statistics leave ~1e-7 relative noise on the cancelled gradients.
+    largest = _max_grad(net)
+    for name, p in net.named_parameters():
+        if name in expected:
+            assert p.grad is not None and p.grad.abs().max() > 1e-4 * largest, name
+        else:
+            assert p.grad is None or p.grad.abs().max() < 1e-5 * largest, name
+
+
+def test_go_and_coexpression_embeddings_keep_learning_after_first_step():
+    """The perturbation and positional embeddings sit before the SGConvs; every step must reach
+    them (a layer that caches its propagated input would freeze them after the first forward)."""
+    net = _make_net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for step in range(2):
+        opt.zero_grad()
+        _cell_loss(net(UNIQ, COUNTS), INVERSE, gathered=True).backward()
+        for name in ("pert_emb.weight", "emb_pos.weight"):
+            grad = dict(net.named_parameters())[name].grad
+            assert grad is not None and grad.abs().max() > 1e-8, f"step {step}: {name}"
+        opt.step()
+
+
+def test_prediction_follows_loaded_weights():
+    """A net that has already run, loaded with another net's weights, predicts like that net."""
+    net_a, net_b = _make_net(seed=0), _make_net(seed=3)
+    net_a.eval()
+    net_b.eval()
+    with torch.no_grad():
+        net_a(UNIQ)  # any earlier forward (e.g. an epoch of training)
+        net_a.load_state_dict(net_b.state_dict())
+        torch.testing.assert_close(net_a(UNIQ), net_b(UNIQ))
+
+
+def test_double_is_order_free_and_not_a_single_or_a_sum():
+    net = _make_net()
+    a, b = 1, 3
+    rows = torch.tensor([[a, b], [b, a], [a, -1], [b, -1], [-1, -1]])
+    train_out = net(rows, torch.tensor([2, 1, 3, 2, 2]))
+    assert torch.equal(train_out[0], train_out[1])
+    net.eval()
+    with torch.no_grad():
+        out = net(rows)
+    assert torch.equal(out[0], out[1])
+    double, single_a, single_b, ctrl = out[0], out[2], out[3], out[4]
+    for other in (single_a, single_b, single_a + single_b - ctrl):
+        assert (double - other).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("n_rows, counts", [(1, torch.tensor([8])), (4, None), (1, 8.0)])
+def test_all_control_batch_trains_without_nan(n_rows, counts):
+    """A batch of control cells only (one distinct row, or per-cell rows): GEARS skips the
+    fusion MLP, so the output is finite and the fusion MLP's running stats stay finite."""
+    net = _make_net()
+    out = net(torch.full((n_rows, 2), -1), counts)
+    assert torch.isfinite(out).all()
+    for name, buf in net.named_buffers():
+        assert torch.isfinite(buf).all(), name
+
+
+def test_single_distinct_perturbation_with_scalar_count_trains():
+    """All cells of a batch share one perturbation: one row standing for 8 cells (the engine
+    passes a scalar count when all counts are equal) must match the tensor-count path."""
+    row = torch.tensor([[2, -1]])
+    net_s, net_t = _make_net(), _make_net()
+    out_t = net_t(row, torch.tensor([8]))
+    out_s = net_s(row, 8.0)
+    _assert_close(out_s, out_t)
+
+
+# ----------------------------------------------------------------------------- bf16
+def _bf16_vs_fp32(train: bool) -> tuple[torch.Tensor, torch.Tensor, GEARSNet]:
+    net32 = _make_net().float().train(train)
+    net16 = copy.deepcopy(net32)
+    counts = COUNTS.float()
+    with torch.set_grad_enabled(train):
+        ref = net32(UNIQ, counts)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = net16(UNIQ, counts)
+    assert out.shape == ref.shape and torch.isfinite(out).all()
+    return out.float(), ref, net16
+
+
+def test_bf16_autocast_eval_close_to_fp32():
+    out, ref, _ = _bf16_vs_fp32(train=False)
+    assert (out - ref).norm() / ref.norm() < 1e-2
+
+
+def test_bf16_autocast_train_forward_close_and_backward_runs():
+    out, ref, net16 = _bf16_vs_fp32(train=True)
+    # Training-mode batch-norm over 5-6 rows amplifies rounding: perturbing this fp32 net's
+    # weights by bf16's relative 2^-9 alone moves its output by ~2.5%, hence the wider bound.
+    assert (out - ref).norm() / ref.norm() < 0.1
+    out.square().mean().backward()
+    grads = {n: p.grad for n, p in net16.named_parameters() if p.grad is not None}
+    assert {"pert_emb.weight", "gene_emb.weight", "indv_w2"} <= set(grads)
+    assert all(torch.isfinite(g).all() for g in grads.values())
+    assert grads["pert_emb.weight"].abs().max() > 0
+    for name, buf in net16.named_buffers():  # running stats stay float32 and finite
+        if name.endswith(("running_mean", "running_var")):
+            assert buf.dtype == torch.float32 and torch.isfinite(buf).all(), name
