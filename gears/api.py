@@ -158,6 +158,7 @@ class GEARS:
                 batching=cfg.batching,
                 cells_per_group=cfg.cells_per_group,
                 pin_memory=self.device.type == "cuda",
+                block_size=cfg.block_size,
             )
         if "train_loader" not in loaders:
             raise GearsInputError(f"split {self.pert_data.split.split_type!r} has no training set")

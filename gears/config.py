@@ -22,6 +22,7 @@ class DataConfig:
     gene2go: str | None = None  # GO source path; None = dataset default
     gene_aliases: str | None = None  # alias<TAB>SYMBOL table for GO lookups
     keep_unmapped_perts: bool = False
+    subset: dict = field(default_factory=dict)  # obs column -> value(s) of cells to keep
     synthetic: dict = field(default_factory=dict)  # make_synthetic() arguments
     go_top_k: int = 20
     go_threshold: float = 0.1
@@ -65,8 +66,9 @@ class TrainConfig:
     grad_clip: float = 1.0  # gradient value clip, as GEARS; 0 disables
     grad_accum_steps: int = 1
     precision: str = "fp32"  # fp32 | bf16 | fp16 (CUDA only)
-    batching: str = "random"  # random | grouped (K perturbations x cells_per_group cells)
+    batching: str = "random"  # random | grouped (perturbations x cells_per_group) | block
     cells_per_group: int = 4
+    block_size: int = 1024  # batching=block: consecutive examples read together
     checkpoint_every: int = 1
     resume: bool = False
     early_stopping_patience: int = 0  # epochs without val improvement; 0 = off
@@ -121,7 +123,7 @@ CHOICES = {
     "train.schedule": ("step", "cosine", "constant"),
     "train.precision": ("fp32", "bf16", "fp16"),
     "train.optimizer": ("adam", "adamw", "sgd"),
-    "train.batching": ("random", "grouped"),
+    "train.batching": ("random", "grouped", "block"),
     "distributed.backend": ("auto", "nccl", "gloo"),
     "wandb.mode": ("disabled", "offline", "online"),
     "split.type": (

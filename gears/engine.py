@@ -135,12 +135,7 @@ class Trainer:
             )
         else:
             self.model = self.net
-        self.opt = torch.optim.Adam(
-            self.net.parameters(),
-            lr=train_cfg.lr,
-            weight_decay=train_cfg.weight_decay,
-            foreach=True,
-        )
+        self.opt = make_optimizer(self.net.parameters(), train_cfg)
         self.sched = make_scheduler(self.opt, train_cfg)
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.amp_dtype == torch.float16)
         self.gene_mask = torch.as_tensor(pert_data.non_zero_mask, device=self.device)

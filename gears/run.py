@@ -60,7 +60,7 @@ def load_pert_data(cfg: Config, env: DistEnv):
         if cfg.data.dataset == "synthetic":
             pd_.load("synthetic", synthetic_params=cfg.data.synthetic)
         else:
-            pd_.load(data_name=cfg.data.dataset)
+            pd_.load(data_name=cfg.data.dataset, subset=cfg.data.subset or None)
         s = cfg.split
         pd_.prepare_split(
             s.type,

@@ -144,7 +144,7 @@ def test_bf16_trains_close_to_fp32(tiny):
     assert fit["fp32"] < 0.9 * untrained  # it learns
     assert fit["bf16"] < 0.9 * untrained
     assert abs(fit["bf16"] - fit["fp32"]) < 0.15 * fit["fp32"]
-    assert abs(val["bf16"] - val["fp32"]) < 0.1 * val["fp32"]
+    assert abs(val["bf16"] - val["fp32"]) < 0.15 * val["fp32"]
 
 
 def test_fp16_on_cpu_is_a_clear_error():

@@ -366,3 +366,39 @@ def test_expression_matrix_dense_and_csr_agree(pdata):
     b = train_loader(subset(pdata, 40, expr=as_csr), 8, seed=7)
     for b1, b2 in zip(epoch_batches(a, 1), epoch_batches(b, 1)):
         assert torch.equal(b1.x, b2.x) and torch.equal(b1.y, b2.y)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_block_shuffle_covers_each_example_once_and_reads_blocks(pdata, world):
+    """batching=block: every example at most once per epoch across ranks (fewer than `world`
+    left out), the ranks' orders interleave into the single-process order, and the order walks
+    blocks of consecutive examples."""
+    from gears.data.loaders import BlockShuffleSampler
+
+    n, block = 103, 10
+    single = BlockShuffleSampler(n, block, seed=3)
+    single.set_epoch(1)
+    order = single.order()
+    assert sorted(order.tolist()) == list(range(n))
+    # Each run of `block` positions (after the short last block lands) stays inside one block.
+    assert len({int(i) // block for i in order[:block]}) == 1
+    shards = []
+    for rank in range(world):
+        s = BlockShuffleSampler(n, block, seed=3, world_size=world, rank=rank)
+        s.set_epoch(1)
+        shards.append(list(s))
+    assert all(len(x) == n // world for x in shards)
+    seen = [i for x in shards for i in x]
+    assert len(seen) == len(set(seen)) and n - len(seen) == n % world
+    usable = order[: n - n % world]
+    for rank in range(world):
+        assert shards[rank] == usable[rank::world].tolist()
+    other = BlockShuffleSampler(n, block, seed=3)
+    other.set_epoch(2)
+    assert other.order().tolist() != order.tolist()
+
+
+def test_block_batching_loader(pdata):
+    loaders = pdata.get_dataloader_distributed(8, batching="block", block_size=16)
+    batch = next(iter(loaders["train_loader"]))
+    assert batch.x.shape[0] == 8

@@ -151,6 +151,40 @@ class ShardSampler(Sampler):
         return len(self.indices)
 
 
+class BlockShuffleSampler(Sampler):
+    """Shuffled order that reads storage in contiguous blocks (as scDataset does).
+
+    Each epoch (seeded by seed and epoch only) shuffles blocks of `block_size` consecutive
+    examples, then the examples inside each block; rank r takes every world_size-th example of
+    that order after dropping the remainder, so the ranks cover each example at most once per
+    epoch and together form the single-process order. Consecutive examples are consecutive cell
+    rows, so a backed or memory-mapped matrix is read a block at a time instead of row by row.
+    """
+
+    def __init__(self, n: int, block_size: int, seed: int, world_size: int = 1, rank: int = 0):
+        self.n, self.block_size = n, max(1, block_size)
+        self.seed, self.world_size, self.rank = seed, world_size, rank
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def order(self) -> np.ndarray:
+        """The single-process order of this epoch. -> [n] example ids."""
+        rng = np.random.default_rng([self.seed, self.epoch, 1])
+        starts = rng.permutation(np.arange(0, self.n, self.block_size))
+        return np.concatenate(
+            [s + rng.permutation(min(self.block_size, self.n - s)) for s in starts]
+        ) if self.n else np.zeros(0, dtype=np.int64)
+
+    def __iter__(self) -> Iterator[int]:
+        usable = self.n - self.n % self.world_size
+        return iter(self.order()[:usable][self.rank :: self.world_size].tolist())
+
+    def __len__(self) -> int:
+        return self.n // self.world_size
+
+
 class GroupedBatchSampler(Sampler):
     """Batches of K conditions x M cells (`train.batching: grouped`), sharded by rank.
 
@@ -220,9 +254,10 @@ class EpochLoader:
 
 def train_loader(dataset: ExampleSet, batch_size: int, *, seed: int, world_size: int = 1,
                  rank: int = 0, batching: str = "random", cells_per_group: int = 4,
-                 drop_last: bool = True, num_workers: int = 0, pin_memory: bool = False
-                 ) -> EpochLoader:
-    """Shuffled training batches of `batch_size` per rank (random or grouped by condition)."""
+                 drop_last: bool = True, num_workers: int = 0, pin_memory: bool = False,
+                 block_size: int = 1024) -> EpochLoader:
+    """Shuffled training batches of `batch_size` per rank: `random` (DistributedSampler),
+    `grouped` (perturbations x cells) or `block` (block-shuffled reads, BlockShuffleSampler)."""
     if batching == "grouped":
         if batch_size % cells_per_group:
             from gears.errors import GearsInputError
@@ -233,6 +268,9 @@ def train_loader(dataset: ExampleSet, batch_size: int, *, seed: int, world_size:
             )
         sampler = GroupedBatchSampler(dataset.cond, cells_per_group, batch_size // cells_per_group,
                                       seed, world_size, rank)
+    elif batching == "block":
+        sampler = BatchSampler(BlockShuffleSampler(len(dataset), block_size, seed, world_size,
+                                                   rank), batch_size, drop_last=drop_last)
     else:
         # drop_last: no padding duplicates, so N ranks take exactly the steps of one process
         # with batch N * b, and their step-k batches together are its step-k batch.

@@ -104,10 +104,14 @@ class PertData:
 
     # ----------------------------------------------------------------------------------- loading
     def load(self, data_name: str | None = None, data_path: str | Path | None = None,
-             synthetic_params: dict | None = None) -> PertData:
+             synthetic_params: dict | None = None, subset: dict | None = None) -> PertData:
         """Load a named dataset (`synthetic`, `norman`, `adamson`, `dixit`,
         `replogle_k562_essential`, `replogle_rpe1_essential`) or a processed/raw `.h5ad` path
-        (a file, or a folder holding perturb_processed.h5ad)."""
+        (a file, or a folder holding perturb_processed.h5ad).
+
+        subset: keep only cells whose obs columns hold the given value(s), e.g.
+        {"dataset": "norman19"} or {"cell_type": ["K562", "RPE1"]}.
+        """
         from gears.data import download
 
         if data_name == "synthetic":
@@ -128,7 +132,7 @@ class PertData:
             if data_name not in download.DATASETS:
                 p = Path(data_name)
                 if p.suffix == ".h5ad" or p.is_dir():
-                    return self.load(data_path=p)
+                    return self.load(data_path=p, subset=subset)
                 raise GearsInputError(
                     f"unknown dataset {data_name!r}; use 'synthetic', one of "
                     f"{sorted(download.DATASETS)}, or a path to an .h5ad file"
@@ -144,6 +148,15 @@ class PertData:
             raise GearsInputError(f"no .h5ad file at {path}")
         name = data_name or (path.parent.name if path.name == PROCESSED_NAME else path.stem)
         adata = ad.read_h5ad(path)
+        for column, wanted in (subset or {}).items():
+            if column not in adata.obs:
+                raise GearsInputError(f"subset: adata.obs has no column {column!r} "
+                                      f"(columns: {list(adata.obs.columns)})")
+            wanted = wanted if isinstance(wanted, (list, tuple)) else [wanted]
+            keep = adata.obs[column].astype(str).isin([str(w) for w in wanted]).values
+            if not keep.any():
+                raise GearsInputError(f"subset: no cell has obs[{column!r}] in {wanted}")
+            adata = adata[keep].copy()
         # Reuse DE results stored in the file (ours, or GEARS's keyed by condition_name).
         return self.new_data_process(name, adata, skip_calc_de=True, write=False)
 
@@ -397,7 +410,8 @@ class PertData:
     def get_dataloader_distributed(self, batch_size: int, test_batch_size: int | None = None,
                                    world_size: int = 1, rank: int = 0, num_workers: int = 0,
                                    batching: str = "random", cells_per_group: int = 4,
-                                   pin_memory: bool = False) -> dict[str, EpochLoader]:
+                                   pin_memory: bool = False, block_size: int = 1024
+                                   ) -> dict[str, EpochLoader]:
         """Training shards via a seeded DistributedSampler; evaluation sharded without padding."""
         if self.set2conditions is None:
             raise GearsInputError("call prepare_split before get_dataloader")
@@ -411,7 +425,7 @@ class PertData:
                 loaders["train_loader"] = train_loader(
                     ds, batch_size, seed=self.seed, world_size=world_size, rank=rank,
                     batching=batching, cells_per_group=cells_per_group,
-                    num_workers=num_workers, pin_memory=pin_memory)
+                    num_workers=num_workers, pin_memory=pin_memory, block_size=block_size)
             else:
                 loaders[f"{name}_loader"] = eval_loader(
                     ds, test_batch_size, world_size=world_size, rank=rank,

@@ -9,6 +9,22 @@ from torch import nn
 from torch_geometric.nn import SGConv
 
 
+class _AllReduceSum(torch.autograd.Function):
+    """Differentiable sum over processes: the gradient of a sum is the sum of the gradients."""
+
+    @staticmethod
+    def forward(ctx, x):
+        x = x.clone()
+        dist.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad
+
+
 class _WeightedBatchNormFn(torch.autograd.Function):
     """Batch-norm with per-row weights: forward and an analytic backward in few passes.
 
@@ -78,17 +94,15 @@ class WeightedBatchNorm1d(nn.BatchNorm1d):
         return y.to(x.dtype)
 
     def _sync_forward(self, xf: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """Weighted statistics summed over all processes (differentiable all-reduce)."""
-        import torch.distributed.nn.functional as dist_fn
-
-        local = torch.cat([w @ xf, w @ (xf * xf), w.sum().reshape(1)])
-        packed = dist_fn.all_reduce(local)
-        h = xf.shape[1]
-        total = packed[-1]
-        mean = packed[:h] / total
-        var = (packed[h : 2 * h] / total - mean * mean).clamp(min=0)
-        self._update_running(mean, var, total)
-        return (xf - mean) * torch.rsqrt(var + self.eps) * self.weight + self.bias
+        """Weighted statistics summed over all processes (differentiable all-reduce). The mean
+        and the centred second moment take one all-reduce each, as exact as the local path."""
+        packed = _AllReduceSum.apply(torch.cat([w @ xf, w.sum().reshape(1)]))
+        total = packed[-1].clamp(min=1e-12)
+        mean = packed[:-1] / total
+        centred = xf - mean
+        var = _AllReduceSum.apply(w @ (centred * centred)) / total
+        self._update_running(mean, var, packed[-1])
+        return centred * torch.rsqrt(var + self.eps) * self.weight + self.bias
 
     @torch.no_grad()
     def _update_running(self, mean: torch.Tensor, var: torch.Tensor, n) -> None:

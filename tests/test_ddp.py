@@ -1,0 +1,123 @@
+"""DDP on CPU (gloo, real processes): N ranks x batch b equals 1 process x batch N*b; sharded
+evaluation equals single-process evaluation."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from gears.config import DistributedConfig, TrainConfig
+from gears.data.pertdata import PertData
+from gears.distributed import DistEnv, cleanup, find_free_port, init_distributed
+from gears.engine import Trainer
+from gears.evaluate import Evaluator
+
+WORLD = 2
+SGD = dict(epochs=1, schedule="constant", optimizer="sgd", lr=0.01, weight_decay=0.0, grad_clip=0.0)
+
+
+def _setup(data_dir: Path):
+    # Imported here so spawned children find the helpers next to this file.
+    from test_engine import TINY, ListLoader, build, group_batches
+
+    pd_ = PertData(data_dir, verbose=False).load("synthetic", synthetic_params=TINY)
+    pd_.prepare_split("simulation", seed=1)
+    return pd_, build, group_batches, ListLoader
+
+
+def _train(rank: int, world: int, data_dir: Path, sync_bn: bool, freeze_bn: bool, env: DistEnv):
+    """Batches of 2 whole perturbation groups; rank r takes every world-th one, so the ranks'
+    step-k batches together are the single process's step-k batch of 2*world groups."""
+    pd_, build, group_batches, ListLoader = _setup(data_dir)
+    model = build(pd_)
+    batches = group_batches(pd_, 8, 4, 2 if world > 1 else 2 * WORLD)
+    mine = batches[rank::world] if world > 1 else batches
+    cfg = TrainConfig(freeze_batchnorm=freeze_bn, **SGD)
+    trainer = Trainer(
+        model.model,
+        pd_,
+        cfg,
+        model.model_config(),
+        env,
+        dist_cfg=DistributedConfig(sync_batchnorm=sync_bn),
+    )
+    trainer.fit({"train_loader": ListLoader(mine)}, progress=False)
+    ev = Evaluator(pd_, env, model.model)
+    return {
+        "state": {k: v.detach().cpu().clone() for k, v in model.model.state_dict().items()},
+        "steps": trainer.step,
+        "test_pred": ev.predict_means("test"),
+        "val": ev.quick("val"),
+    }
+
+
+def _worker(rank: int, world: int, port: int, out: str, sync_bn: bool, freeze_bn: bool):
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+    )
+    torch.set_num_threads(1)
+    env = init_distributed("cpu", "gloo", timeout_s=120)
+    try:
+        result = _train(rank, world, Path(out) / f"data{rank}", sync_bn, freeze_bn, env)
+        if rank == 0:
+            with open(Path(out) / "rank0.pkl", "wb") as f:
+                pickle.dump(result, f)
+    finally:
+        cleanup(env)
+
+
+def _run_world(tmp_path: Path, sync_bn: bool, freeze_bn: bool) -> dict:
+    mp.spawn(
+        _worker,
+        args=(WORLD, find_free_port(), str(tmp_path), sync_bn, freeze_bn),
+        nprocs=WORLD,
+        join=True,
+    )
+    with open(tmp_path / "rank0.pkl", "rb") as f:
+        return pickle.load(f)
+
+
+def _assert_same_state(a: dict, b: dict) -> None:
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-4, msg=k)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "sync_bn,freeze_bn", [(True, False), (False, True)], ids=["sync-batchnorm", "frozen-batchnorm"]
+)
+def test_two_ranks_equal_one_process_with_double_batch(tmp_path, sync_bn, freeze_bn):
+    """With synchronised (or frozen) batch-norm, 2 gloo ranks with batch b reach the parameters
+    of 1 process with batch 2b; predictions and metrics agree too."""
+    torch.set_num_threads(1)
+    dist_run = _run_world(tmp_path / "ddp", sync_bn, freeze_bn)
+    single = _train(0, 1, tmp_path / "single", sync_bn, freeze_bn, DistEnv())
+    assert dist_run["steps"] == single["steps"] == 2
+    _assert_same_state(dist_run["state"], single["state"])
+    np.testing.assert_allclose(dist_run["test_pred"], single["test_pred"], atol=1e-5)
+    assert dist_run["val"]["mse_de"] == pytest.approx(single["val"]["mse_de"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_unsynchronised_batchnorm_differs(tmp_path):
+    """The equality above needs synchronised statistics: per-rank batch-norm statistics differ
+    from the large batch's, and so do the weights (the test can fail)."""
+    torch.set_num_threads(1)
+    dist_run = _run_world(tmp_path / "ddp", sync_bn=False, freeze_bn=False)
+    single = _train(0, 1, tmp_path / "single", False, False, DistEnv())
+    diffs = [
+        (dist_run["state"][k].float() - single["state"][k].float()).abs().max().item()
+        for k in single["state"]
+    ]
+    assert max(diffs) > 1e-4
