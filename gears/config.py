@@ -12,6 +12,7 @@ from typing import Any
 
 import yaml
 
+from gears.data.splits import SPLIT_TYPES
 from gears.errors import GearsInputError
 
 
@@ -126,17 +127,7 @@ CHOICES = {
     "train.batching": ("random", "grouped", "block"),
     "distributed.backend": ("auto", "nccl", "gloo"),
     "wandb.mode": ("disabled", "offline", "online"),
-    "split.type": (
-        "simulation",
-        "simulation_single",
-        "combo_seen0",
-        "combo_seen1",
-        "combo_seen2",
-        "single",
-        "no_test",
-        "no_split",
-        "custom",
-    ),
+    "split.type": SPLIT_TYPES,
 }
 
 

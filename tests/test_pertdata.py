@@ -33,18 +33,10 @@ from gears.data import de as de_mod
 from gears.data import graphs
 from gears.data.conditions import condition_genes
 from gears.data.pertdata import PROCESSED_NAME, PertData
+from gears.data.splits import SPLIT_TYPES as ALL_SPLIT_TYPES
 from gears.errors import GearsInputError
 
-SPLIT_TYPES = (
-    "simulation",
-    "simulation_single",
-    "combo_seen0",
-    "combo_seen1",
-    "combo_seen2",
-    "single",
-    "no_test",
-    "no_split",
-)
+SPLIT_TYPES = tuple(t for t in ALL_SPLIT_TYPES if t != "custom")
 
 
 # ------------------------------------------------------------------------------------ fixtures
