@@ -83,9 +83,10 @@ class WeightedBatchNorm1d(nn.BatchNorm1d):
             return F.batch_norm(x, None, None, self.weight, self.bias, True, 0.0, self.eps)
         xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
         w = (
-            weight.float()
+            weight.to(xf.dtype)
             if tensor_weight
-            else torch.ones(x.shape[0], device=x.device) * (1.0 if weight is None else weight)
+            else torch.ones(x.shape[0], device=x.device, dtype=xf.dtype)
+            * (1.0 if weight is None else weight)
         )
         if distributed:
             return self._sync_forward(xf, w).to(x.dtype)
