@@ -26,6 +26,10 @@ Environment variables (defaults in brackets):
                   restarted workers resume from the last checkpoint          [0]
   PYTHON          python interpreter                            [python]
   SRUN_ARGS       extra arguments for srun under Slurm          [empty]
+  TORCH_DISABLE_SHARE_RDZV_TCP_STORE
+                  1: the workers' process group gets its own store per restart. torchrun's
+                  default reuses the rendezvous store, whose stale keys can make a restarted
+                  group dial a dead peer (pytorch/pytorch#135712)                   [1]
   NCCL_* / GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME are passed through to the workers.
 
 Examples:
@@ -48,6 +52,7 @@ NPROC_PER_NODE="${NPROC_PER_NODE:-$gpus}"
 MASTER_PORT="${MASTER_PORT:-29500}"
 RDZV_BACKEND="${RDZV_BACKEND:-c10d}"
 MAX_RESTARTS="${MAX_RESTARTS:-0}"
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
 
 launch() {  # launch NNODES NODE_RANK args...
   local nnodes="$1" node_rank="$2"; shift 2

@@ -117,7 +117,7 @@ def init_distributed(
     except Exception as e:  # rendezvous failures come in many exception types
         raise RuntimeError(
             f"rank {rank}/{world_size} could not join the process group at {addr}:{port} "
-            f"({backend}) within {timeout_s}s: {e}. Check that every rank started, that "
+            f"({backend}, timeout {timeout_s}s): {e}. Check that every rank started, that "
             "MASTER_ADDR/MASTER_PORT are reachable from all nodes and the port is free."
         ) from e
     return DistEnv(rank, local_rank, world_size, dev, backend)
