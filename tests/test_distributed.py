@@ -317,9 +317,14 @@ SLURM = {
 
 @pytest.fixture
 def clean_launch_env(monkeypatch):
+    # slurm_to_env writes os.environ itself: restore the whole environment afterwards, or RANK /
+    # WORLD_SIZE leak into later tests (a train_single.py subprocess then waits for 8 ranks).
+    saved = dict(os.environ)
     for key in [*LAUNCH_VARS, *[k for k in os.environ if k.startswith(LAUNCH_PREFIXES)]]:
         monkeypatch.delenv(key, raising=False)
-    return monkeypatch
+    yield monkeypatch
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 @pytest.mark.parametrize(
