@@ -645,10 +645,12 @@ def main(args) -> None:
         )
     if memory:
         print(
-            "fresh proc: cells/s of the same steps in a new process per configuration (timed "
-            "after 5 warm-up steps, not interleaved; its ratio to the fresh bound in brackets): "
-            "glibc's allocator state there is a real training run's, while the interleaved "
-            "columns run after every other configuration has grown the heap.\n"
+            "fresh proc: the same steps timed in a new process per configuration that loads "
+            "data and model from a file (sequential, after 5 warm-up steps; ratio to the fresh "
+            "bound in brackets). It differs from the interleaved columns by allocator history: "
+            "large arrays freed earlier (data build, other configurations) raise glibc's mmap "
+            "threshold, so later activations reuse heap pages instead of page-faulting new "
+            "ones.\n"
             "peak RSS: kernel high-water mark (VmHWM) of that process, reset through "
             "/proc/self/clear_refs just before training; (+train) = peak minus the RSS before "
             "the first step (data and model already loaded)."
