@@ -55,7 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=None,
         help="before measuring, wait (up to 15 min) for the 1-min load average to fall below this",
     )
-    p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # memory subprocess mode
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # fresh-process child mode
     args = p.parse_args(argv)
     if args.quick:
         args.genes = min(args.genes, 300)
