@@ -22,7 +22,19 @@ class DataConfig:
     data_dir: str = "data"
     gene2go: str | None = None  # GO source path; None = dataset default
     gene_aliases: str | None = None  # alias<TAB>SYMBOL table for GO lookups
-    keep_unmapped_perts: bool = False
+    keep_unmapped_perts: bool = False  # deprecated spelling of unmapped_perts=keep
+    # Perturbations of genes in neither the data nor the GO source: error (stop and list them),
+    # drop (GEARS: remove those conditions, listed with cell counts in the report) or keep
+    # (keep them without GO edges).
+    unmapped_perts: str = "error"
+    condition_key: str | None = None  # obs column naming each cell's perturbation; None = detect
+    control_names: list = field(default_factory=list)  # extra spellings of control cells
+    mirror_url: str | None = None  # base URL replacing the public download host
+    # Processed expression that every local rank memory-maps: auto (memory-map when the data
+    # is large), memory (each process holds it) or mmap (always the shared store).
+    store: str = "auto"
+    store_dir: str | None = None  # None: <data_dir>/<dataset>/store
+    chunk_cells: int = 20000  # cells per chunk when processing a backed .h5ad out of core
     subset: dict = field(default_factory=dict)  # obs column -> value(s) of cells to keep
     synthetic: dict = field(default_factory=dict)  # make_synthetic() arguments
     go_top_k: int = 20
@@ -78,6 +90,8 @@ class TrainConfig:
     num_workers: int = 0
     log_every: int = 50
     plot_conditions: int = 4
+    compile: bool = False  # torch.compile the network (distinct-perturbation rows bucketed)
+    threads: int = 0  # torch/numba CPU threads after the data is built; 0 = leave as is
 
 
 @dataclass
@@ -86,11 +100,19 @@ class DistributedConfig:
     gpu_ids: list | None = None
     master_addr: str = "127.0.0.1"
     master_port: int = 0  # 0 = pick a free port (mp.spawn launcher)
-    timeout_s: int = 300
+    timeout_s: int = 1800  # collective timeout; rank-0-only work happens outside collectives
     sync_batchnorm: bool = False
     find_unused_parameters: bool = False
     static_graph: bool = False
     gradient_as_bucket_view: bool = True
+
+
+@dataclass
+class EvalConfig:
+    # A perturbation's predicted mean = predicted change + the mean of all control cells (all,
+    # exact) or of the control cells randomly paired with its cells (paired, GEARS's protocol).
+    control_mean: str = "all"
+    cell_eval: bool = False  # score test predictions with cell-eval's vcc profile (optional)
 
 
 @dataclass
@@ -111,6 +133,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
     def to_dict(self) -> dict:
@@ -128,6 +151,9 @@ CHOICES = {
     "distributed.backend": ("auto", "nccl", "gloo"),
     "wandb.mode": ("disabled", "offline", "online"),
     "split.type": SPLIT_TYPES,
+    "data.unmapped_perts": ("error", "drop", "keep"),
+    "data.store": ("auto", "memory", "mmap"),
+    "eval.control_mean": ("all", "paired"),
 }
 
 
