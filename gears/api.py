@@ -255,11 +255,23 @@ class GEARS:
         meta = dict(self.config, gene_names=self.gene_list, pert_names=self.pert_list)
         (path / CONFIG_FILE).write_text(json.dumps(meta, indent=1))
         state = {
+            "format": ckpt.FORMAT_VERSION,
+            "meta": self._checkpoint_meta(),
             "state_dict": self.model.state_dict(),
             "graphs": {k: (v[0].cpu(), v[1].cpu()) for k, v in self.graphs.items()},
-            "ctrl_expression": np.asarray(self.ctrl_expression),
+            "ctrl_expression": torch.as_tensor(np.asarray(self.ctrl_expression)),
         }
         ckpt.atomic_save(state, path / MODEL_FILE)
+
+    def _checkpoint_meta(self) -> dict:
+        """The data vocabulary hash and model size a saved model.pt must match (config.json
+        and model.pt from different runs are refused by name, not by a tensor shape error)."""
+        c = self.config
+        return {
+            "vocab_hash": ckpt.vocab_hash(self.gene_list, self.pert_list),
+            **{f"model.{k}": c[k] for k in ("hidden_size", "num_go_gnn_layers")},
+            **{f"model.{k}": c[k] for k in ("num_gene_gnn_layers", "uncertainty")},
+        }
 
     def load_pretrained(self, path: str | Path) -> GEARS:
         path = Path(path)
@@ -278,6 +290,7 @@ class GEARS:
             )
         state = ckpt.load(path / MODEL_FILE, map_location="cpu")
         self.config = {k: v for k, v in meta.items() if k not in ("gene_names", "pert_names")}
+        ckpt.check_compatible(state, path / MODEL_FILE, self._checkpoint_meta())
         (go_ei, go_w), (co_ei, co_w) = state["graphs"]["go"], state["graphs"]["coexpress"]
         self._build(go_ei, go_w, co_ei, co_w)
         weights = {k.removeprefix("module."): v for k, v in state["state_dict"].items()}

@@ -155,3 +155,12 @@ def all_reduce_mean(env: DistEnv, value: torch.Tensor) -> torch.Tensor:
     value = value.clone()
     dist.all_reduce(value)
     return value / env.world_size
+
+
+def all_reduce_max(env: DistEnv, value: torch.Tensor) -> torch.Tensor:
+    """Element-wise maximum over ranks (flags any rank raised)."""
+    if not env.distributed:
+        return value
+    value = value.clone()
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return value

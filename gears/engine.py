@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import os
 import random
 import signal
@@ -16,10 +17,28 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gears import checkpoint as ckpt
 from gears.config import DistributedConfig, ModelConfig, TrainConfig
-from gears.distributed import DistEnv, all_reduce_mean, barrier, broadcast_object
-from gears.errors import GearsInputError
+from gears.distributed import (
+    DistEnv,
+    all_gather_objects,
+    all_reduce_max,
+    all_reduce_mean,
+    barrier,
+    broadcast_object,
+)
+from gears.errors import GearsInputError, NonFiniteLossError, TrainingStopped
 from gears.evaluate import Evaluator
 from gears.model.losses import gears_loss
+
+
+def _plain(value):
+    """numpy scalars and containers of them as Python floats/ints (weights_only-loadable)."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
 
 
 def seed_everything(seed: int) -> None:
@@ -63,9 +82,11 @@ def make_scheduler(opt: torch.optim.Optimizer, cfg: TrainConfig):
 
 
 def rng_state() -> dict:
+    """Every generator's state as tensors and plain values (loadable with weights_only=True)."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": [name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -75,21 +96,25 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def _fault_injection(epoch: int, step: int, env: DistEnv, where: str) -> None:
-    """Test hook: GEARS_FAULT_KILL=<rank>:<epoch|step>:<n> SIGKILLs that rank on the first attempt
-    (a torchrun restart sets TORCHELASTIC_RESTART_COUNT > 0 and disarms it)."""
+    """Test hook: GEARS_FAULT_KILL=<rank|all>:<epoch|step>:<n>[:<SIGNAL>] sends SIGKILL (or the
+    named signal, e.g. TERM) to that rank on the first attempt (a torchrun restart sets
+    TORCHELASTIC_RESTART_COUNT > 0 and disarms it)."""
     spec = os.environ.get("GEARS_FAULT_KILL")
     if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return
-    rank, kind, n = spec.split(":")
-    if int(rank) == env.rank and kind == where and int(n) == (epoch if where == "epoch" else step):
-        os.kill(os.getpid(), signal.SIGKILL)
+    rank, kind, n, *sig = spec.split(":")
+    if rank not in ("all", str(env.rank)) or kind != where:
+        return
+    if int(n) == (epoch if where == "epoch" else step):
+        os.kill(os.getpid(), getattr(signal, f"SIG{sig[0]}") if sig else signal.SIGKILL)
 
 
 @dataclass
@@ -98,6 +123,7 @@ class History:
     val: list[dict] = field(default_factory=list)
     epoch_s: list[float] = field(default_factory=list)
     cells_per_s: list[float] = field(default_factory=list)
+    skipped_steps: list[int] = field(default_factory=list)  # GradScaler (fp16) skips per epoch
 
 
 class Trainer:
@@ -150,6 +176,14 @@ class Trainer:
         self.best_epoch = -1
         self.best_state = None
         self.stale_epochs = 0
+        self.skipped_steps = 0  # optimizer steps GradScaler skipped (fp16 overflow), all epochs
+        self.vocab_hash = ckpt.vocab_hash(pert_data.gene_names, pert_data.pert_names)
+        self.stop_requested = False  # set by SIGTERM; acted on at the next step boundary
+        self.stop_agreed = False  # some rank got SIGTERM (all-reduced at the last check)
+        self.partial = None  # position within an epoch stopped by SIGTERM (resume continues)
+        # The stop / non-finite flags are read on the host every `check_every` optimizer steps:
+        # every step on CPU (free), at the logging interval on GPU (a host sync each time).
+        self.check_every = 1 if self.device.type == "cpu" else max(train_cfg.log_every, 1)
 
     # ----------------------------------------------------------------------------- one batch
     def loss_on(self, batch, row_counts=None) -> torch.Tensor:
@@ -196,12 +230,21 @@ class Trainer:
             n_batches = min(n_batches, self.cfg.limit_batches)
         loss_sum = torch.zeros((), device=self.device)
         cells = 0
+        start = 0  # batches of this epoch already trained on (resumed after a SIGTERM stop)
+        if self.partial is not None and self.partial["epoch"] == epoch:
+            start, cells = self.partial["batch"], self.partial["cells"]
+            loss_sum += self.partial["loss_sum"].to(self.device)
+        self.partial = None
+        skipped_before = self.skipped_steps
+        recent: list[tuple[int, int, torch.Tensor]] = []  # (step, batch, condition ids) unchecked
+        first_bad = torch.full((), -1, dtype=torch.long, device=self.device)  # index in recent
         bar = None
         if progress and self.env.is_main:
             from tqdm.auto import tqdm
 
             bar = tqdm(
                 total=n_batches,
+                initial=start,
                 desc=f"epoch {epoch + 1}/{self.cfg.epochs}",
                 leave=False,
                 dynamic_ncols=True,
@@ -211,6 +254,9 @@ class Trainer:
         for i, batch in enumerate(loader):
             if i == n_batches:
                 break
+            if i < start:
+                continue  # trained on before the stop; the loader order is fixed by the epoch
+            cond_ids = batch.uniq_cond  # host copy, only read to report a non-finite loss
             counts = batch.counts  # still on the host: checking it costs no device sync
             uniform = float(counts[0]) if bool((counts == counts[0]).all()) else None
             batch = batch.to(self.device, non_blocking=True)
@@ -223,17 +269,33 @@ class Trainer:
             with sync:
                 loss = self.loss_on(batch, uniform)
                 self.scaler.scale(loss / accum).backward()
+            if not self.scaler.is_enabled():  # with GradScaler, a non-finite step is skipped
+                bad = (first_bad < 0) & ~torch.isfinite(loss.detach())
+                first_bad = torch.where(bad, len(recent), first_bad)  # no host sync
+            recent.append((self.step + 1, i + 1, cond_ids))
             loss_sum += loss.detach()
             cells += len(batch)
             if last_micro:
                 if self.cfg.grad_clip > 0:
                     self.scaler.unscale_(self.opt)
                     torch.nn.utils.clip_grad_value_(params, self.cfg.grad_clip)
-                self.scaler.step(self.opt)
-                self.scaler.update()
+                self.scaler_step()
                 self.opt.zero_grad(set_to_none=True)
                 self.step += 1
                 _fault_injection(epoch, self.step, self.env, "step")
+                if self.step % self.check_every == 0 or i + 1 == n_batches:
+                    stop = self.check_step(epoch, first_bad, recent)
+                    recent, first_bad = [], torch.full_like(first_bad, -1)
+                    if stop and i + 1 < n_batches:
+                        self.partial = {
+                            "epoch": epoch,
+                            "batch": i + 1,
+                            "cells": cells,
+                            "loss_sum": loss_sum.detach().cpu(),
+                        }
+                        if bar is not None:
+                            bar.close()
+                        return float("nan"), cells * self.env.world_size
             if bar is not None:
                 bar.update(1)
                 if (i + 1) % self.cfg.log_every == 0:
@@ -246,11 +308,77 @@ class Trainer:
         if bar is not None:
             bar.close()
         mean_loss = all_reduce_mean(self.env, loss_sum / max(n_batches, 1)).item()
+        self.history.skipped_steps.append(self.skipped_steps - skipped_before)
         return mean_loss, cells * self.env.world_size
+
+    def scaler_step(self) -> None:
+        """Optimizer step through the GradScaler, counting the steps it skips (fp16 overflow:
+        not fatal, the scale is lowered and training goes on)."""
+        if not self.scaler.is_enabled():
+            self.scaler.step(self.opt)
+            self.scaler.update()
+            return
+        scale = self.scaler.get_scale()  # the scaler syncs on its inf check anyway
+        self.scaler.step(self.opt)
+        self.scaler.update()
+        if self.scaler.get_scale() < scale:  # the scale only drops when the step was skipped
+            self.skipped_steps += 1
+
+    def check_step(self, epoch: int, first_bad: torch.Tensor, recent: list) -> bool:
+        """At a step boundary, agree over ranks on the stop flag (SIGTERM on any rank) and raise
+        NonFiniteLossError if any rank saw a NaN/inf loss since the last check."""
+        flags = torch.stack(
+            [torch.tensor(float(self.stop_requested)), (first_bad >= 0).float().cpu()]
+        ).to(self.device)
+        stop, bad = all_reduce_max(self.env, flags).tolist()
+        self.stop_agreed = bool(stop)
+        if bad:
+            mine = None
+            if int(first_bad) >= 0:
+                step, batch_no, ids = recent[int(first_bad)]
+                names = [self.pert_data.conditions[int(c)] for c in ids]
+                mine = (self.env.rank, step, batch_no, names)
+            seen = [r for r in all_gather_objects(self.env, mine) if r is not None]
+            rank, step, batch_no, names = seen[0]
+            where = f" on rank {rank}" if self.env.distributed else ""
+            raise NonFiniteLossError(
+                f"the training loss became NaN or infinite at epoch {epoch + 1}, step {step} "
+                f"(batch {batch_no} of the epoch){where}; the batch's conditions: "
+                f"{names[:20]}{' ...' if len(names) > 20 else ''}. No checkpoint was written "
+                "after it. Lower train.lr, keep train.grad_clip > 0, try train.precision=fp32, "
+                "or check these conditions' expression values (NaN, huge raw counts)"
+            )
+        return bool(stop)
 
     # ------------------------------------------------------------------------------ training
     def fit(self, loaders: dict, progress: bool = True) -> History:
+        """Train from self.epoch to cfg.epochs. A SIGTERM (Slurm's preemption / time-limit
+        signal) stops every rank at the next step boundary; rank 0 writes a checkpoint and
+        TrainingStopped is raised (the entry points exit with status 0)."""
         train = loaders["train_loader"]
+        if len(train) == 0:
+            n = len(getattr(train, "dataset", ()))
+            per = f"{n} cells, {-(-n // self.env.world_size)} per process" if n else "no cells"
+            raise GearsInputError(
+                f"train.batch_size={self.cfg.batch_size} is larger than the training set ({per} "
+                f"with {self.env.world_size} process(es)): no full batch can be formed. Lower "
+                "train.batch_size (or use fewer processes)"
+            )
+
+        def on_sigterm(signum, frame):
+            self.stop_requested = True
+
+        try:
+            previous = signal.signal(signal.SIGTERM, on_sigterm)
+        except ValueError:  # not the main thread (e.g. a notebook worker): no handler
+            previous = None
+        try:
+            return self._fit(train, loaders, progress)
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+
+    def _fit(self, train, loaders: dict, progress: bool) -> History:
         has_val = "val_loader" in loaders
         if self.env.is_main:
             eff = self.cfg.batch_size * self.env.world_size * self.cfg.grad_accum_steps
@@ -264,6 +392,8 @@ class Trainer:
         for epoch in range(self.epoch, self.cfg.epochs):
             t0 = time.perf_counter()
             loss, cells = self.train_epoch(train, epoch, progress)
+            if self.partial is not None:  # stopped by SIGTERM within the epoch
+                self.stop_on_signal()
             train_s = time.perf_counter() - t0
             self.sched.step()
             val = self.evaluator.quick("val") if has_val else {}
@@ -309,7 +439,11 @@ class Trainer:
                 self.epoch % self.cfg.checkpoint_every == 0 or self.epoch == self.cfg.epochs or stop
             ):
                 self.save_checkpoint()
+            elif self.out_dir is not None and self.stop_agreed:
+                self.save_checkpoint()  # stopping: keep this epoch whatever checkpoint_every says
             _fault_injection(epoch + 1, self.step, self.env, "epoch")
+            if self.stop_agreed and self.epoch < self.cfg.epochs:
+                self.stop_on_signal()
             if stop:
                 if self.env.is_main:
                     print(
@@ -322,9 +456,59 @@ class Trainer:
             self.net.load_state_dict(self.best_state)
         return self.history
 
+    def stop_on_signal(self) -> None:
+        """Every rank: rank 0 writes the checkpoint (mid-epoch position included), then all
+        leave through TrainingStopped."""
+        where = None
+        if self.out_dir is not None:
+            if self.partial is not None:
+                self.save_checkpoint()
+            where = ckpt.list_checkpoints(os.path.join(self.out_dir, "checkpoints"))[-1:]
+        if self.env.is_main:
+            pos = (
+                f"epoch {self.epoch + 1}, step {self.step}"
+                if self.partial
+                else (f"the end of epoch {self.epoch}")
+            )
+            saved = (
+                f"wrote {where[0]}; run the same command with train.resume=true to continue"
+                if where
+                else "no out_dir, nothing saved"
+            )
+            print(f"SIGTERM received: stopped at {pos}; {saved}", flush=True)
+        raise TrainingStopped(f"stopped by SIGTERM at step {self.step}")
+
     # ---------------------------------------------------------------------------- checkpoints
-    def state(self) -> dict:
+    def meta(self) -> dict:
+        """What a checkpoint must share with the run resuming it (checked by name on resume)."""
+        m, t = self.model_cfg, self.cfg
         return {
+            "vocab_hash": self.vocab_hash,
+            "model.hidden_size": m.hidden_size,
+            "model.num_go_gnn_layers": m.num_go_gnn_layers,
+            "model.num_gene_gnn_layers": m.num_gene_gnn_layers,
+            "model.uncertainty": m.uncertainty,
+            # A mid-epoch position only means the same batches with these:
+            "world_size": self.env.world_size,
+            "train.batch_size": t.batch_size,
+            "train.grad_accum_steps": t.grad_accum_steps,
+            "train.batching": t.batching,
+        }
+
+    def state(self) -> dict:
+        """The whole training state as tensors and plain values (weights_only-loadable)."""
+        history = {
+            k: [_plain(v) for v in vals] for k, vals in dataclasses.asdict(self.history).items()
+        }
+        return {
+            "format": ckpt.FORMAT_VERSION,
+            "meta": self.meta(),
+            "config": {
+                "train": dataclasses.asdict(self.cfg),
+                "model": dataclasses.asdict(self.model_cfg),
+            },
+            "partial": self.partial,
+            "skipped_steps": self.skipped_steps,
             "model": self.net.state_dict(),
             "optimizer": self.opt.state_dict(),
             "scheduler": self.sched.state_dict(),
@@ -332,11 +516,11 @@ class Trainer:
             "rng": rng_state(),
             "epoch": self.epoch,
             "step": self.step,
-            "best_metric": self.best_metric,
+            "best_metric": float(self.best_metric),
             "best_epoch": self.best_epoch,
             "best_state": self.best_state,
             "stale_epochs": self.stale_epochs,
-            "history": self.history.__dict__,
+            "history": history,
             "world_size": self.env.world_size,
         }
 
@@ -344,7 +528,9 @@ class Trainer:
         folder = os.path.join(self.out_dir, "checkpoints")
         barrier(self.env)  # every rank has finished the epoch before rank 0 writes
         if self.env.is_main:
-            ckpt.atomic_save(self.state(), ckpt.checkpoint_path(folder, self.epoch))
+            done = self.partial["batch"] // self.cfg.grad_accum_steps if self.partial else 0
+            path = ckpt.checkpoint_path(folder, self.epoch, done)
+            ckpt.atomic_save(self.state(), path)
             ckpt.prune(folder, keep=2)
         barrier(self.env)
 
@@ -356,6 +542,13 @@ class Trainer:
         if state is None:
             log(f"train.resume: no checkpoint in {folder}; starting from scratch")
             return False
+        mid_epoch = bool(state.get("partial"))
+        expected = {
+            k: v
+            for k, v in self.meta().items()
+            if mid_epoch or k == "vocab_hash" or k.startswith("model.")
+        }
+        ckpt.check_compatible(state, state["path"], expected)
         self.net.load_state_dict(state["model"])
         self.opt.load_state_dict(state["optimizer"])
         self.sched.load_state_dict(state["scheduler"])
@@ -365,5 +558,7 @@ class Trainer:
         self.best_metric, self.best_epoch = state["best_metric"], state["best_epoch"]
         self.best_state, self.stale_epochs = state["best_state"], state["stale_epochs"]
         self.history = History(**state["history"])
-        log(f"resumed from {state['path']} (epoch {self.epoch}, step {self.step})")
+        self.partial, self.skipped_steps = state["partial"], state["skipped_steps"]
+        where = f", {self.partial['batch']} batches into the next" if self.partial else ""
+        log(f"resumed from {state['path']} (epoch {self.epoch}{where}, step {self.step})")
         return True

@@ -7,3 +7,12 @@ class GearsInputError(ValueError):
 
 class DownloadError(GearsInputError):
     """A file could not be fetched or failed verification; the message says what to fetch where."""
+
+
+class NonFiniteLossError(GearsInputError):
+    """The training loss became NaN or infinite; the message names epoch, step and conditions."""
+
+
+class TrainingStopped(Exception):
+    """Training stopped on SIGTERM after rank 0 wrote a checkpoint; the entry points exit with
+    status 0 and `train.resume=true` continues from that checkpoint."""

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import numpy as np
 
+from gears import checkpoint as ckpt
 from gears.config import Config, load_config
 from gears.distributed import DistEnv, barrier
-from gears.errors import GearsInputError
+from gears.errors import GearsInputError, TrainingStopped
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = ROOT / "configs" / "default.yaml"
@@ -55,6 +56,8 @@ def load_pert_data(cfg: Config, env: DistEnv):
             gene2go=cfg.data.gene2go,
             gene_aliases=cfg.data.gene_aliases,
             keep_unmapped_perts=cfg.data.keep_unmapped_perts,
+            unmapped_perts=cfg.data.unmapped_perts,
+            mirror_url=cfg.data.mirror_url,
             verbose=env.is_main,
         )
         if cfg.data.dataset == "synthetic":
@@ -201,7 +204,11 @@ def run(cfg: Config, env: DistEnv) -> dict | None:
             "eval_s": eval_s,
             "total_s": time.perf_counter() - t_start,
         }
-        results["history"] = {"train_loss": history.train_loss, "val": history.val}
+        results["history"] = {
+            "train_loss": history.train_loss,
+            "val": history.val,
+            "skipped_steps": history.skipped_steps,  # fp16 GradScaler overflow skips per epoch
+        }
         results["report"] = pert_data.report
         model.save_model(out / "model")
         plot_history(history, out / "plots" / "loss.png")
@@ -209,7 +216,8 @@ def run(cfg: Config, env: DistEnv) -> dict | None:
             for cond in evaluator.set_view("test")["conditions"][: cfg.train.plot_conditions]:
                 model.plot_perturbation(cond, out / "plots" / f"{cond.replace('+', '_')}.png")
         results = _clean(results)
-        (out / "metrics.json").write_text(json.dumps(results, indent=1))
+        text = json.dumps(results, indent=1)
+        ckpt.atomic_write(out / "metrics.json", lambda tmp: tmp.write_text(text))
         if has_test:
             print_table(results)
         print(
@@ -225,9 +233,12 @@ def run(cfg: Config, env: DistEnv) -> dict | None:
 
 
 def guarded(main):
-    """Run `main`; bad input prints one clear line (no traceback) and exits with status 2."""
+    """Run `main`; bad input prints one clear line (no traceback) and exits with status 2; a
+    SIGTERM stop (checkpoint written, message printed by rank 0) exits with status 0."""
     try:
         return main()
+    except TrainingStopped:
+        sys.exit(0)
     except GearsInputError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)

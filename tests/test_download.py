@@ -267,3 +267,44 @@ def test_silent_server_times_out(tmp_path: Path):
         with pytest.raises(DownloadError, match="timed out") as info:
             download(url, tmp_path / "f.bin", timeout=0.3, progress=False)
     assert url in str(info.value) and str(tmp_path / "f.bin") in str(info.value)
+
+
+def test_mirror_url_by_name_from_config_or_environment(server, tmp_path: Path, monkeypatch):
+    """A mirror folder URL serves GEARS's files by name: <mirror>/norman.zip, gene2go_all.pkl."""
+    from gears.data.download import DATAVERSE_URL, MIRROR_ENV, base_url
+
+    server.files["/mirror/norman.zip"] = NORMAN_ZIP
+    server.files["/mirror/gene2go_all.pkl"] = BODY
+    monkeypatch.delenv(MIRROR_ENV, raising=False)
+    assert base_url(None) == DATAVERSE_URL
+    h5ad = fetch_dataset("norman", tmp_path / "a", base_url=base_url(server.url + "/mirror/"))
+    assert h5ad.read_bytes() == b"not really hdf5"
+    monkeypatch.setenv(MIRROR_ENV, server.url + "/mirror")
+    assert fetch_gene2go(tmp_path / "b", base_url=base_url()).read_bytes() == BODY
+    assert [p for p, _ in server.requests] == ["/mirror/norman.zip", "/mirror/gene2go_all.pkl"]
+    # The config key wins over the environment; a `{}` template takes the Dataverse file id.
+    assert base_url(server.url + "/x/{}") == server.url + "/x/{}"
+
+
+def test_mirror_as_local_folder(tmp_path: Path, monkeypatch):
+    from gears.data.download import MIRROR_ENV, base_url
+
+    folder = tmp_path / "fetched by hand"
+    folder.mkdir()
+    (folder / "gene2go_all.pkl").write_bytes(BODY)
+    monkeypatch.setenv(MIRROR_ENV, str(folder))
+    path = fetch_gene2go(tmp_path / "data", base_url=base_url())
+    assert path.read_bytes() == BODY
+
+
+def test_refused_download_names_the_mirror_options(server, tmp_path: Path):
+    """Dataverse answering 403: the message says where to put the file and how to use a mirror."""
+    from gears.data.download import MIRROR_ENV
+
+    with pytest.raises(DownloadError) as info:
+        fetch_dataset("adamson", tmp_path, base_url=server.url + "/forbidden/{}")
+    message = str(info.value)
+    assert "404" in message  # the fixture server answers 404 for unknown paths
+    assert str(tmp_path / "adamson.zip") in message
+    assert str(tmp_path / "adamson" / "perturb_processed.h5ad") in message
+    assert "data.mirror_url" in message and MIRROR_ENV in message

@@ -30,6 +30,8 @@ GENE2GO_FILE_ID = 6153417  # GEARS's gene2go_all.pkl
 MANIFEST_NAME = ".checksums.json"
 H5AD_NAME = "perturb_processed.h5ad"
 
+MIRROR_ENV = "GEARS_MIRROR_URL"
+
 _CHUNK = 1 << 20
 _USER_AGENT = "gears-fast/0.1 (python urllib)"
 
@@ -115,7 +117,11 @@ def _verify(path: Path, dest: Path, size: int | None, sha256: str | None, source
 
 
 def _manual_fix(url: str, dest: Path) -> str:
-    return f"To fix it, download {url} by hand (e.g. in a browser) and save it as {dest}."
+    return (
+        f"To fix it, download {url} by hand (e.g. in a browser) and save it as {dest}, or set "
+        f"data.mirror_url (or the environment variable {MIRROR_ENV}) to a mirror URL or folder "
+        f"holding {dest.name}."
+    )
 
 
 def _network_error(url: str, dest: Path, err: BaseException) -> DownloadError:
@@ -291,6 +297,24 @@ def _extract(zip_path: Path, data_dir: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
+def base_url(mirror_url: str | None = None) -> str:
+    """The URL template for GEARS's public files: `mirror_url`, else the GEARS_MIRROR_URL
+    environment variable, else Harvard Dataverse.
+
+    A mirror holding `{}` is a template filled with the Dataverse file id (a Dataverse mirror);
+    otherwise it is a base URL (http(s)://, file://) or a local folder under which the files
+    are found by name: `<mirror>/norman.zip`, `<mirror>/gene2go_all.pkl`.
+    """
+    mirror = (mirror_url or os.environ.get(MIRROR_ENV, "")).strip()
+    if not mirror:
+        return DATAVERSE_URL
+    if "{}" in mirror:
+        return mirror
+    if "://" not in mirror:
+        mirror = Path(mirror).expanduser().resolve().as_uri()
+    return mirror.rstrip("/") + "/{name}"
+
+
 def fetch_dataset(name: str, data_dir: str | Path, *, base_url: str = DATAVERSE_URL) -> Path:
     """Path of ``<data_dir>/<name>/perturb_processed.h5ad``, downloading GEARS's zip if needed.
 
@@ -307,7 +331,7 @@ def fetch_dataset(name: str, data_dir: str | Path, *, base_url: str = DATAVERSE_
     h5ad = data_dir / key / H5AD_NAME
     if h5ad.is_file():
         return h5ad
-    url = base_url.format(DATASETS[key])
+    url = base_url.format(DATASETS[key], name=f"{key}.zip")
     zip_path = data_dir / f"{key}.zip"
     try:
         download(url, zip_path)
@@ -326,4 +350,5 @@ def fetch_dataset(name: str, data_dir: str | Path, *, base_url: str = DATAVERSE_
 
 def fetch_gene2go(data_dir: str | Path, *, base_url: str = DATAVERSE_URL) -> Path:
     """Path of ``<data_dir>/gene2go_all.pkl`` (GEARS's gene -> GO terms), downloaded if needed."""
-    return download(base_url.format(GENE2GO_FILE_ID), Path(data_dir) / "gene2go_all.pkl")
+    name = "gene2go_all.pkl"
+    return download(base_url.format(GENE2GO_FILE_ID, name=name), Path(data_dir) / name)

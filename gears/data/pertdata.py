@@ -60,6 +60,28 @@ def validate_adata(adata: ad.AnnData, condition_key: str = "condition") -> None:
         )
 
 
+UNMAPPED_PERTS = ("error", "drop", "keep")
+
+
+def resolve_unmapped_perts(unmapped_perts: str | None, keep_unmapped_perts: bool = False) -> str:
+    """The unmapped-perturbation policy from the new key and its deprecated boolean alias."""
+    if unmapped_perts is None:
+        return "keep" if keep_unmapped_perts else "error"
+    if unmapped_perts not in UNMAPPED_PERTS:
+        raise GearsInputError(
+            f"unmapped_perts={unmapped_perts!r} is not one of {UNMAPPED_PERTS}; use 'error', "
+            "'drop' (as the original GEARS) or 'keep'"
+        )
+    if keep_unmapped_perts and unmapped_perts != "keep":
+        if unmapped_perts == "drop":
+            raise GearsInputError(
+                "data.keep_unmapped_perts=true (deprecated: means unmapped_perts=keep) "
+                "contradicts data.unmapped_perts=drop; remove data.keep_unmapped_perts"
+            )
+        return "keep"  # the deprecated alias beats the default
+    return unmapped_perts
+
+
 def gene_names_of(adata: ad.AnnData) -> pd.Index:
     """Gene symbols: var['gene_name'] when present (GEARS's files), else var_names."""
     if "gene_name" in adata.var:
@@ -74,18 +96,27 @@ class PertData:
     gene2go: path of a gene -> GO source (GEARS pickle, TSV, GAF, GMT); None = the dataset's
       default (the synthetic screen's own annotations, or GEARS's gene2go_all.pkl downloaded).
     gene_aliases: optional `alias<TAB>SYMBOL` table used for symbols missing from the GO source.
-    keep_unmapped_perts: keep perturbations of genes without GO terms (they get no GO edges)
-      instead of dropping them as GEARS does.
+    unmapped_perts: what to do with conditions perturbing a gene that is neither measured nor in
+      the GO source: "error" (default: stop, listing the genes), "drop" (GEARS: remove those
+      conditions; `report["dropped_condition_cells"]` lists them with their cell counts) or
+      "keep" (keep them, without GO edges). Measured genes without GO terms are dropped as GEARS
+      does, except with "keep".
+    keep_unmapped_perts: deprecated spelling of unmapped_perts="keep".
+    mirror_url: base URL of a mirror of GEARS's public files (see gears.data.download); None
+      reads the GEARS_MIRROR_URL environment variable, else Harvard Dataverse.
     """
 
     def __init__(self, data_dir: str | Path = "data", gene2go: str | Path | None = None,
                  gene_aliases: str | Path | None = None, keep_unmapped_perts: bool = False,
-                 seed: int = 1, verbose: bool = True):
+                 seed: int = 1, verbose: bool = True, unmapped_perts: str | None = None,
+                 mirror_url: str | None = None):
         self.data_dir = Path(data_dir)
         self.gene2go_user = gene2go  # as given; the synthetic screen brings its own otherwise
         self.gene2go_path = gene2go
         self.gene_aliases_path = gene_aliases
-        self.keep_unmapped_perts = keep_unmapped_perts
+        self.unmapped_perts = resolve_unmapped_perts(unmapped_perts, keep_unmapped_perts)
+        self.keep_unmapped_perts = self.unmapped_perts == "keep"
+        self.mirror_url = mirror_url
         self.seed = seed
         self.verbose = verbose
         self.adata: ad.AnnData | None = None
@@ -137,7 +168,9 @@ class PertData:
                     f"unknown dataset {data_name!r}; use 'synthetic', one of "
                     f"{sorted(download.DATASETS)}, or a path to an .h5ad file"
                 )
-            data_path = download.fetch_dataset(data_name, self.data_dir)
+            data_path = download.fetch_dataset(
+                data_name, self.data_dir, base_url=download.base_url(self.mirror_url)
+            )
         self.gene2go_path = self.gene2go_user
         if data_path is None:
             raise GearsInputError("PertData.load needs data_name or data_path")
@@ -196,6 +229,7 @@ class PertData:
                       f"possible): {few[:10]}")
         drop = set(self.report["dropped_conditions"]) | set(few)
         self.report["dropped_conditions"] = sorted(drop)
+        self.report["dropped_condition_cells"] = {c: int(counts[c]) for c in sorted(drop)}
         keep = ~np.isin(conditions, sorted(drop)) if drop else np.ones(len(conditions), bool)
         if (conditions[keep] != CTRL).sum() == 0:
             raise GearsInputError(
@@ -219,10 +253,9 @@ class PertData:
         self._setup(dataset_name, processed)
         if write:
             out = self.data_dir / dataset_name / PROCESSED_NAME
-            out.parent.mkdir(parents=True, exist_ok=True)
-            tmp = out.with_suffix(".h5ad.tmp")
-            processed.write_h5ad(tmp)
-            tmp.replace(out)
+            from gears.checkpoint import atomic_write
+
+            atomic_write(out, processed.write_h5ad)  # temp + fsync + rename: never torn
             self._log(f"wrote {out}")
         self._log(f"processed {dataset_name}: {processed.n_obs} cells x {processed.n_vars} genes, "
                   f"{len(self.conditions)} conditions in {time.perf_counter() - t0:.1f}s")
@@ -299,24 +332,29 @@ class PertData:
         """Perturbation vocabulary = measured and perturbed genes known to the GO source."""
         from gears.data import graphs
 
-        gene2go = graphs.read_gene2go(self._gene2go_source())
+        source = self._gene2go_source()
+        gene2go = graphs.read_gene2go(source)
         aliases = graphs.read_aliases(self.gene_aliases_path) if self.gene_aliases_path else None
         perturbed = genes_of(conditions)
         candidates = sorted(measured | set(perturbed))
         renames, missing = graphs.resolve_symbols(candidates, gene2go.keys(), aliases)
         missing = set(missing)
         unknown = sorted(g for g in perturbed if g in missing and g not in measured)
-        if unknown and not self.keep_unmapped_perts:
+        if unknown and self.unmapped_perts == "error":
+            more = f" (and {len(unknown) - 20} more)" if len(unknown) > 20 else ""
             raise GearsInputError(
                 f"{len(unknown)} perturbed gene(s) are neither measured genes nor in the GO "
-                f"source (even through aliases): {unknown[:10]}; check their spelling, pass "
-                "gene_aliases=..., or keep_unmapped_perts=True to keep them without GO edges"
+                f"source {source} (even through aliases): {unknown[:20]}{more}. "
+                "Check their spelling or pass gene_aliases=..., then choose "
+                "data.unmapped_perts (PertData(unmapped_perts=...)): 'error' (this message), "
+                "'drop' (remove their conditions, as the original GEARS) or 'keep' (keep them "
+                "without GO edges)"
             )
-        dropped = [] if self.keep_unmapped_perts else [
+        dropped = [] if self.unmapped_perts == "keep" else [
             c for c in conditions if any(g in missing for g in condition_genes(c))
         ]
         vocab = [g for g in candidates if g not in missing]
-        if self.keep_unmapped_perts:
+        if self.unmapped_perts == "keep":
             vocab = sorted(set(vocab) | set(perturbed))
         self.pert_names = np.array(vocab)
         self.node_map_pert = {g: i for i, g in enumerate(vocab)}
@@ -337,7 +375,7 @@ class PertData:
             return Path(self.gene2go_path)
         from gears.data import download
 
-        return download.fetch_gene2go(self.data_dir)
+        return download.fetch_gene2go(self.data_dir, base_url=download.base_url(self.mirror_url))
 
     # ---------------------------------------------------------------------------------- splits
     def prepare_split(self, split: str = "simulation", seed: int = 1,
@@ -372,11 +410,11 @@ class PertData:
             params.pop("split_dict", None)
             result = splits.make_split(self.conditions, split, split_dict=split_dict, **params)
             try:
-                cache.parent.mkdir(parents=True, exist_ok=True)
-                tmp = cache.with_suffix(f".tmp{os.getpid()}")
-                tmp.write_text(json.dumps(result.to_dict()))
-                tmp.replace(cache)
-            except OSError:
+                from gears.checkpoint import atomic_write
+
+                text = json.dumps(result.to_dict())
+                atomic_write(cache, lambda tmp: tmp.write_text(text))
+            except (OSError, GearsInputError):
                 pass  # a read-only data_dir only costs recomputation
         self.split = result
         self.seed = seed
