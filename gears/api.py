@@ -281,12 +281,15 @@ class GEARS:
         if meta["gene_names"] != self.gene_list:
             raise GearsInputError(
                 f"the model at {path} was trained on {len(meta['gene_names'])} genes that differ "
-                f"from this PertData's {len(self.gene_list)} genes; load the same dataset"
+                f"from this PertData's {len(self.gene_list)} genes "
+                f"({_vocab_difference(meta['gene_names'], self.gene_list)}); load it with the "
+                "PertData (dataset, data.subset) it was trained on"
             )
         if meta["pert_names"] != self.pert_list:
             raise GearsInputError(
-                f"the model at {path} has a different perturbation vocabulary "
-                "from this PertData (different GO source or dataset)"
+                f"the model at {path} has a different perturbation vocabulary from this "
+                f"PertData ({_vocab_difference(meta['pert_names'], self.pert_list)}); use the "
+                "dataset, GO source (data.gene2go) and data.unmapped_perts it was trained with"
             )
         state = ckpt.load(path / MODEL_FILE, map_location="cpu")
         self.config = {k: v for k, v in meta.items() if k not in ("gene_names", "pert_names")}
@@ -297,6 +300,16 @@ class GEARS:
         self.model.load_state_dict(weights)
         self.best_model = self.model
         return self
+
+
+def _vocab_difference(saved: list[str], current: list[str]) -> str:
+    """A short description of how two name lists differ, naming a few names."""
+    saved_set, current_set = set(saved), set(current)
+    only_saved = [g for g in saved if g not in current_set]
+    only_now = [g for g in current if g not in saved_set]
+    if not only_saved and not only_now:
+        return "same names in a different order"
+    return f"only in the model: {only_saved[:5]}, only in this data: {only_now[:5]}"
 
 
 def model_kwargs(cfg: ModelConfig, data_cfg) -> dict:

@@ -185,7 +185,10 @@ def _coerce(value: Any, annotation, key: str) -> Any:
                 return _coerce(value, arg, key)
             except GearsInputError:
                 continue
-        raise GearsInputError(f"config key {key!r}: cannot read {value!r} as {annotation}")
+        raise GearsInputError(
+            f"config key {key!r}: cannot read {value!r} as {annotation}; give it a value of "
+            "that type (null for none)"
+        )
     try:
         if annotation is bool:
             if isinstance(value, bool):
@@ -217,7 +220,10 @@ def _coerce(value: Any, annotation, key: str) -> Any:
             return list(value)
     except (TypeError, ValueError):
         name = getattr(annotation, "__name__", annotation)
-        raise GearsInputError(f"config key {key!r}: {value!r} is not a valid {name}") from None
+        raise GearsInputError(
+            f"config key {key!r}: {value!r} is not a valid {name}; give it a {name} value in "
+            f"the YAML file or as {key}=<{name}> on the command line"
+        ) from None
     return value
 
 

@@ -74,7 +74,59 @@ def first_slurm_host(nodelist: str) -> str:
     return prefix + first
 
 
+def launch_ranks(environ=None) -> tuple[int, int, int]:
+    """(rank, local_rank, world_size) from the launcher's variables, or a GearsInputError naming
+    the variable: WORLD_SIZE > 1 without RANK would make every process rank 0 and hang."""
+    environ = os.environ if environ is None else environ
+    values = {}
+    for name, default in (("WORLD_SIZE", "1"), ("RANK", None), ("LOCAL_RANK", None)):
+        raw = environ.get(name, default)
+        try:
+            values[name] = None if raw is None else int(raw)
+        except ValueError:
+            raise GearsInputError(
+                f"environment variable {name}={raw!r} is not an integer; launch with torchrun "
+                f"or srun (they set it), or unset {name} for a single process"
+            ) from None
+    world_size, rank = values["WORLD_SIZE"], values["RANK"]
+    if world_size < 1:
+        raise GearsInputError(f"environment variable WORLD_SIZE={world_size} must be >= 1")
+    if rank is None:
+        if world_size > 1:
+            raise GearsInputError(
+                f"WORLD_SIZE={world_size} is set but RANK is not, so every process would be "
+                "rank 0; launch with torchrun / srun (they set RANK, LOCAL_RANK, WORLD_SIZE) or "
+                "train_distributed.py --nproc N, or unset WORLD_SIZE for one process"
+            )
+        rank = 0
+    if not 0 <= rank < world_size:
+        raise GearsInputError(
+            f"RANK={rank} is outside 0..{world_size - 1} (WORLD_SIZE={world_size}); every "
+            "process needs a distinct RANK below WORLD_SIZE: let torchrun / srun set them"
+        )
+    local_rank = values["LOCAL_RANK"] or 0
+    return rank, local_rank, world_size
+
+
+def check_gpu_ids(gpu_ids: list | None, n_visible: int) -> None:
+    """Every entry of distributed.gpu_ids must name a visible GPU (0..n_visible-1)."""
+    if not gpu_ids:
+        return
+    bad = [g for g in gpu_ids if not isinstance(g, int) or not 0 <= g < n_visible]
+    if bad:
+        seen = os.environ.get("CUDA_VISIBLE_DEVICES")
+        where = f" (CUDA_VISIBLE_DEVICES={seen})" if seen is not None else ""
+        fix = f"use ids 0..{n_visible - 1}" if n_visible else "this machine has no usable CUDA GPU"
+        raise GearsInputError(
+            f"distributed.gpu_ids={list(gpu_ids)} names GPU(s) {bad}, but {n_visible} GPU(s) are "
+            f"visible{where}; {fix}, or remove distributed.gpu_ids and set device=cpu to train on "
+            "the CPU"
+        )
+
+
 def choose_device(spec: str, local_rank: int = 0, gpu_ids: list | None = None) -> torch.device:
+    if gpu_ids and spec != "cpu":
+        check_gpu_ids(gpu_ids, torch.cuda.device_count() if torch.cuda.is_available() else 0)
     if spec == "auto":
         spec = "cuda" if torch.cuda.is_available() else "cpu"
     if spec == "cuda":
@@ -93,9 +145,7 @@ def init_distributed(
     """Join the process group described by the environment (torchrun or Slurm); world size 1
     without those variables. Backend: NCCL when the device is CUDA, gloo otherwise."""
     slurm_to_env()
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    rank, local_rank, world_size = launch_ranks()
     dev = choose_device(device, local_rank, gpu_ids)
     if world_size == 1:
         return DistEnv(0, 0, 1, dev, None)

@@ -30,7 +30,10 @@ def canonical_condition(name: str, sep: str = "+", control_names: Iterable[str] 
     parts = [p.strip() for p in text.split(sep)]
     genes = [p for p in parts if p.lower() not in controls]
     if any(g == "" for g in genes) or not parts:
-        raise GearsInputError(f"condition {name!r} has an empty gene name (separator {sep!r})")
+        raise GearsInputError(
+            f"condition {name!r} has an empty gene name (separator {sep!r}); spell conditions "
+            f"'ctrl', 'A', 'A{sep}ctrl' or 'A{sep}B', or relabel/drop those cells"
+        )
     if not genes:
         return CTRL
     if len(genes) == 1:
@@ -38,7 +41,10 @@ def canonical_condition(name: str, sep: str = "+", control_names: Iterable[str] 
     if len(genes) == 2:
         a, b = sorted(genes)
         if a == b:
-            raise GearsInputError(f"condition {name!r} names the same gene twice")
+            raise GearsInputError(
+                f"condition {name!r} names the same gene twice; write a single perturbation "
+                f"as '{a}' or '{a}+ctrl', or relabel/drop those cells"
+            )
         return f"{a}+{b}"
     raise GearsInputError(
         f"condition {name!r} perturbs {len(genes)} genes; GEARS models single and double "

@@ -26,6 +26,15 @@ def _finite_values(X) -> np.ndarray:
     return X.data if sp.issparse(X) else np.asarray(X)
 
 
+def _rows_with_nonfinite(X) -> np.ndarray:
+    """Rows (cells) holding a NaN or infinite value (only run to word an error)."""
+    if sp.issparse(X):
+        X = sp.csr_matrix(X)
+        bad_values = np.flatnonzero(~np.isfinite(X.data))
+        return np.unique(np.searchsorted(X.indptr, bad_values, side="right") - 1)
+    return np.flatnonzero(~np.isfinite(np.asarray(X)).all(axis=1))
+
+
 def validate_adata(adata: ad.AnnData, condition_key: str = "condition") -> None:
     """Raise GearsInputError naming the first problem found in a raw AnnData."""
     if adata.n_obs == 0 or adata.n_vars == 0:
@@ -45,18 +54,41 @@ def validate_adata(adata: ad.AnnData, condition_key: str = "condition") -> None:
     values = _finite_values(adata.X)
     n_bad = int(np.size(values) - np.isfinite(values).sum())
     if n_bad:
-        raise GearsInputError(f"adata.X has {n_bad} NaN or infinite expression values")
+        first = [str(adata.obs_names[r]) for r in _rows_with_nonfinite(adata.X)[:5]]
+        raise GearsInputError(
+            f"adata.X has {n_bad} NaN or infinite expression values (cells {first} ...); "
+            "drop those cells or fix them (e.g. re-run sc.pp.normalize_total + sc.pp.log1p on "
+            "the raw counts) before processing"
+        )
     if np.size(values) and values.min() < 0:
         raise GearsInputError(
             f"adata.X has negative values (min {values.min():.3g}); GEARS expects log-normalised "
             "counts (sc.pp.normalize_total then sc.pp.log1p), not scaled or centred data"
         )
+    check_not_raw_counts(values)
     names = gene_names_of(adata)
     dup = names[names.duplicated()].unique()
     if len(dup):
         raise GearsInputError(
             f"{len(dup)} duplicate gene names, e.g. {list(dup[:5])}; make them unique "
             "(adata.var_names_make_unique()) or drop the duplicates"
+        )
+
+
+RAW_COUNT_MAX = 30  # log1p of normalised counts stays far below; raw UMI counts reach it
+
+
+def check_not_raw_counts(values: np.ndarray, sample: int = 10_000_000) -> None:
+    """Refuse raw counts: every value an integer and the maximum above RAW_COUNT_MAX. GEARS's
+    loss and metrics assume log-normalised expression; raw counts would train and score without
+    any error, on the wrong scale (a wrong result that looks right). A check of the first
+    `sample` stored values keeps this cheap on large data."""
+    head = np.asarray(values).reshape(-1)[:sample]
+    if head.size and head.max() > RAW_COUNT_MAX and np.array_equal(head, np.round(head)):
+        raise GearsInputError(
+            f"adata.X looks like raw counts (every value is an integer, max {head.max():.0f}); "
+            "GEARS expects log-normalised expression: run sc.pp.normalize_total(adata) then "
+            "sc.pp.log1p(adata) first (keep raw counts in adata.layers if you need them)"
         )
 
 

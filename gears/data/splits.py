@@ -269,7 +269,8 @@ def load_split_dict(path: str | Path, conditions: Sequence[str]) -> dict[str, li
             errors.append(f"{reader.__name__[6:]}: {exc}")
     else:
         raise GearsInputError(
-            f"custom split file {path} is neither JSON nor a pickle ({'; '.join(errors)})"
+            f"custom split file {path} is neither JSON nor a plain pickle ({'; '.join(errors)}); "
+            'write it as JSON: {"train": [...], "val": [...], "test": [...]}'
         )
     conds = _check_conditions(conditions, need_ctrl=False)
     return _validate_split_dict(content, conds, source=f"custom split file {path}")
@@ -575,7 +576,9 @@ def _validate_split_dict(d: Any, conditions: list[str], *, source: str) -> dict[
     if unknown:
         raise GearsInputError(
             f"{source} names {len(unknown)} conditions that are not in the data, e.g. "
-            f"{unknown[:5]}; the data has {len(known)} conditions"
+            f"{unknown[:5]}; the data has {len(known)} conditions. Fix their spelling or remove "
+            "them from the file (PertData.conditions lists the data's conditions; "
+            "PertData.report['dropped_conditions'] those dropped at load)"
         )
     return sets
 
@@ -597,7 +600,13 @@ def _read_json(raw: bytes) -> Any:
 
 
 def _read_pickle(raw: bytes) -> Any:
-    return pickle.loads(raw)
+    """GEARS's split pickles hold dicts of lists of names: nothing else is built, so a shared
+    split file cannot run code."""
+    import io
+
+    from gears.data.graphs import _PlainUnpickler
+
+    return _PlainUnpickler(io.BytesIO(raw)).load()
 
 
 # --- condition names -------------------------------------------------------------------------

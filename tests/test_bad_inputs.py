@@ -1,0 +1,576 @@
+"""Bad inputs across the whole path, one table: each must raise the named exception type with a
+message that names the offending item (column, condition, gene, key, file, rank) and says what
+to do. Everything runs in-process on a 25-gene hand-made screen (seconds)."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import re
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import torch
+from helpers import tiny_gene2go, tiny_screen, write_gene2go
+
+from gears import checkpoint as ckpt
+from gears.api import GEARS
+from gears.config import ModelConfig, TrainConfig, load_config
+from gears.data.pertdata import PertData
+from gears.distributed import DistEnv, check_gpu_ids, choose_device, launch_ranks
+from gears.engine import Trainer, autocast_dtype, seed_everything
+from gears.errors import GearsInputError
+
+
+@pytest.fixture(scope="module")
+def ctx(tmp_path_factory) -> SimpleNamespace:
+    """A processed tiny screen with a split, a saved model of it, a checkpoint folder, and
+    variants of the data with another gene set and another perturbation vocabulary."""
+    tmp = tmp_path_factory.mktemp("bad_inputs")
+    go = write_gene2go(tmp / "go.tsv", tiny_gene2go())
+
+    def pert_data(adata=None, gene2go=go, **kw) -> PertData:
+        p = PertData(tmp / "data", gene2go=gene2go, verbose=False, **kw)
+        p.new_data_process("tiny", tiny_screen() if adata is None else adata, write=False)
+        return p.prepare_split("simulation", seed=1)
+
+    data = pert_data()
+    seed_everything(0)
+    model = GEARS(data, device="cpu").model_initialize(hidden_size=8)
+    model.save_model(tmp / "model")
+    cfg = TrainConfig(epochs=1, batch_size=8, limit_batches=2)
+    loaders = data.get_dataloader(cfg.batch_size, 16)
+    trainer = Trainer(model.model, data, cfg, model.model_config(), DistEnv(), out_dir=tmp / "run")
+    trainer.fit(loaders, progress=False)  # writes run/checkpoints/epoch_0001.pt
+    fewer_genes = tiny_screen()[:, :-1].copy()  # G24 gone from the measured genes
+    go_without_g03 = tiny_gene2go()
+    del go_without_g03["G03"]
+    return SimpleNamespace(
+        tmp=tmp,
+        go=go,
+        data=data,
+        model=model,
+        pert_data=pert_data,
+        other_genes=pert_data(fewer_genes),
+        other_perts=pert_data(gene2go=write_gene2go(tmp / "go2.tsv", go_without_g03)),
+    )
+
+
+def _relabel(mapping: dict[str, str]):
+    adata = tiny_screen()
+    adata.obs["condition"] = adata.obs["condition"].astype(str).replace(mapping)
+    return adata
+
+
+def _process(ctx, adata, **kw) -> None:
+    PertData(ctx.tmp / "d", gene2go=ctx.go, verbose=False, **kw).new_data_process(
+        "x", adata, write=False
+    )
+
+
+def sparse_with_nan(ctx):
+    adata = tiny_screen()
+    X = sp.csr_matrix(adata.X)
+    X.data[7] = np.nan
+    adata.X = X
+    _process(ctx, adata)
+
+
+def raw_counts(ctx):
+    adata = tiny_screen()
+    adata.X = np.round(adata.X * 40)  # integers up to ~360: UMI counts, not log1p values
+    _process(ctx, adata)
+
+
+def negative_values(ctx):
+    adata = tiny_screen()
+    adata.X = adata.X - 2.0  # z-scored / centred data
+    _process(ctx, adata)
+
+
+def missing_condition_column(ctx):
+    adata = tiny_screen()
+    adata.obs = adata.obs.rename(columns={"condition": "perturbation_label"})
+    _process(ctx, adata)
+
+
+def duplicate_genes(ctx):
+    adata = tiny_screen()
+    adata.var_names = ["G00", *adata.var_names[1:-1], "G00"]
+    _process(ctx, adata)
+
+
+def no_control_cells(ctx):
+    _process(ctx, _relabel({"control": "G04"}))
+
+
+def config_file_missing(ctx):
+    load_config(ctx.tmp / "no_such.yaml")
+
+
+def choose_missing_gpu(ctx):
+    choose_device("auto", 0, [3])  # the CPU twin of a machine with fewer GPUs than listed
+
+
+def _resume(ctx, data, hidden: int, **train_kw):
+    """A trainer over `data` resuming from the module's checkpoint folder."""
+    seed_everything(0)
+    model = GEARS(data, device="cpu").model_initialize(hidden_size=hidden)
+    cfg = TrainConfig(epochs=2, batch_size=8, **train_kw)
+    trainer = Trainer(
+        model.model, data, cfg, ModelConfig(hidden_size=hidden), DistEnv(), out_dir=ctx.tmp / "run"
+    )
+    trainer.resume()
+
+
+def _model_copy(ctx, name: str) -> Path:
+    folder = ctx.tmp / name
+    if not folder.exists():
+        shutil.copytree(ctx.tmp / "model", folder)
+    return folder
+
+
+def model_file_not_a_checkpoint(ctx):
+    folder = _model_copy(ctx, "text_model")
+    (folder / "model.pt").write_text("these are my notes, not weights\n")
+    GEARS(ctx.data, device="cpu").load_pretrained(folder)
+
+
+def model_file_foreign_pickle(ctx):
+    folder = _model_copy(ctx, "pickled_model")
+    (folder / "model.pt").write_bytes(pickle.dumps({"weights": [1, 2, 3]}))
+    GEARS(ctx.data, device="cpu").load_pretrained(folder)
+
+
+def model_file_old_format(ctx):
+    folder = _model_copy(ctx, "old_model")
+    state = ckpt.load(folder / "model.pt")
+    del state["format"]
+    ckpt.atomic_save(state, folder / "model.pt")
+    GEARS(ctx.data, device="cpu").load_pretrained(folder)
+
+
+def model_file_other_size(ctx):
+    """config.json says hidden 8 but model.pt came from a hidden-16 model of the same data."""
+    folder = _model_copy(ctx, "mixed_model")
+    seed_everything(0)
+    GEARS(ctx.data, device="cpu").model_initialize(hidden_size=16).save_model(ctx.tmp / "m16")
+    shutil.copy(ctx.tmp / "m16" / "model.pt", folder / "model.pt")
+    GEARS(ctx.data, device="cpu").load_pretrained(folder)
+
+
+def split_file(ctx, content: dict, split: str = "custom"):
+    path = ctx.tmp / f"split_{len(json.dumps(content))}.json"
+    path.write_text(json.dumps(content))
+    ctx.data.prepare_split(split, split_dict_path=path)
+    ctx.data.prepare_split("simulation", seed=1)  # not reached; keeps the module data usable
+
+
+@dataclass
+class Case:
+    id: str
+    run: Callable[[SimpleNamespace], object]
+    error: type[Exception]
+    names: tuple[str, ...]  # what the message must name (regexes)
+    fix: str  # regex for the instruction the message must give
+
+
+CASES = [
+    # ---------------------------------------------------------------- AnnData
+    Case(
+        "sparse X with NaN",
+        sparse_with_nan,
+        GearsInputError,
+        (r"adata\.X", r"1 NaN", r"cell\d+"),
+        r"drop those cells|sc\.pp\.log1p",
+    ),
+    Case(
+        "raw integer counts",
+        raw_counts,
+        GearsInputError,
+        (r"adata\.X", "raw counts"),
+        r"sc\.pp\.normalize_total.*sc\.pp\.log1p",
+    ),
+    Case(
+        "negative (scaled) values",
+        negative_values,
+        GearsInputError,
+        (r"adata\.X", "negative"),
+        r"sc\.pp\.log1p",
+    ),
+    Case(
+        "no condition column",
+        missing_condition_column,
+        GearsInputError,
+        (r"'condition'", "perturbation_label"),
+        r"add it",
+    ),
+    Case(
+        "duplicate gene names", duplicate_genes, GearsInputError, ("G00",), r"var_names_make_unique"
+    ),
+    Case(
+        "no control cells",
+        no_control_cells,
+        GearsInputError,
+        (r"obs\['condition'\]", "ctrl"),
+        r"control_names",
+    ),
+    # ------------------------------------------------------- condition strings
+    Case(
+        "condition with three genes",
+        lambda c: _process(c, _relabel({"G03": "G03+G04+G05"})),
+        GearsInputError,
+        (r"G03\+G04\+G05", "3 genes"),
+        r"drop these cells",
+    ),
+    Case(
+        "condition with an empty gene",
+        lambda c: _process(c, _relabel({"G03": "G03+"})),
+        GearsInputError,
+        (r"'G03\+'",),
+        r"spell conditions",
+    ),
+    Case(
+        "condition naming a gene twice",
+        lambda c: _process(c, _relabel({"G03": "G03+G03"})),
+        GearsInputError,
+        (r"G03\+G03",),
+        r"write a single perturbation",
+    ),
+    # --------------------------------------------------------- genes and GO
+    Case(
+        "perturbed gene absent from var and GO",
+        lambda c: _process(c, _relabel({"G03": "NOPE1"})),
+        GearsInputError,
+        ("NOPE1", "go.tsv"),
+        r"unmapped_perts.*'error'.*'drop'.*'keep'",
+    ),
+    Case(
+        "GO source in an unknown format",
+        lambda c: PertData(
+            c.tmp / "d", gene2go=_write(c.tmp / "go.xyz", "gene GO\nfoo"), verbose=False
+        ).new_data_process("x", tiny_screen(), write=False),
+        GearsInputError,
+        (r"go\.xyz", "line 1"),
+        r"Accepted formats",
+    ),
+    Case(
+        "GO source missing",
+        lambda c: PertData(c.tmp / "d", gene2go=c.tmp / "nope.gaf", verbose=False).new_data_process(
+            "x", tiny_screen(), write=False
+        ),
+        GearsInputError,
+        (r"nope\.gaf", "does not exist"),
+        r"Accepted formats",
+    ),
+    Case(
+        "unknown dataset name",
+        lambda c: PertData(c.tmp / "d", verbose=False).load("normann"),
+        GearsInputError,
+        ("'normann'",),
+        r"use 'synthetic'.*norman.*or a path",
+    ),
+    Case(
+        "predict a gene outside the graph",
+        lambda c: c.model.predict([["NOT_A_GENE"]]),
+        GearsInputError,
+        ("NOT_A_GENE",),
+        r"perturbation graph",
+    ),
+    Case(
+        "unmapped_perts not a choice",
+        lambda c: PertData(c.tmp / "d", unmapped_perts="ignore"),
+        GearsInputError,
+        ("'ignore'",),
+        r"'drop'",
+    ),
+    # ---------------------------------------------------------------- splits
+    Case(
+        "split file naming unknown conditions",
+        lambda c: split_file(c, {"train": ["G00+ctrl", "G99+ctrl"], "test": ["G01+ctrl"]}),
+        GearsInputError,
+        (r"split_\d+\.json", r"G99\+ctrl"),
+        r"Fix their spelling or remove",
+    ),
+    Case(
+        "split file that is not JSON",
+        lambda c: c.data.prepare_split("custom", split_dict_path=_write(c.tmp / "s.txt", "hi")),
+        GearsInputError,
+        (r"s\.txt",),
+        r"write it as JSON",
+    ),
+    Case(
+        "empty test set for combo_seen2",
+        lambda c: c.data.prepare_split("combo_seen2"),
+        GearsInputError,
+        ("combo_seen2", "0 double"),
+        r"Raise test_size or use a split type",
+    ),
+    # ------------------------------------------------- configs and CLI overrides
+    Case(
+        "config value of the wrong type",
+        lambda c: load_config(None, ["train.batch_size=big"]),
+        GearsInputError,
+        ("'train.batch_size'", "'big'"),
+        r"give it a int value",
+    ),
+    Case(
+        "unknown config key",
+        lambda c: load_config(None, ["train.epoch=3"]),
+        GearsInputError,
+        ("'train.epoch'",),
+        r"Did you mean train.epochs",
+    ),
+    Case(
+        "config value not a choice",
+        lambda c: load_config(None, ["data.unmapped_perts=ignore"]),
+        GearsInputError,
+        ("'data.unmapped_perts'", "'ignore'"),
+        r"must be one of",
+    ),
+    Case(
+        "override without '='",
+        lambda c: load_config(None, ["train.epochs"]),
+        GearsInputError,
+        ("'train.epochs'",),
+        r"key=value",
+    ),
+    Case(
+        "config file missing",
+        config_file_missing,
+        GearsInputError,
+        (r"no_such\.yaml",),
+        r"does not exist",
+    ),
+    Case(
+        "train.batch_size larger than the training set",
+        lambda c: (
+            GEARS(c.pert_data(), device="cpu")
+            .model_initialize(hidden_size=8)
+            .train(epochs=1, batch_size=100_000, progress=False)
+        ),
+        GearsInputError,
+        ("train.batch_size=100000", "training set"),
+        r"Lower train\.batch_size",
+    ),
+    Case(
+        "fp16 on CPU",
+        lambda c: autocast_dtype("fp16", torch.device("cpu")),
+        GearsInputError,
+        ("train.precision=fp16", "CUDA"),
+        r"use train\.precision=bf16",
+    ),
+    Case(
+        "non-positive learning rate",
+        lambda c: load_config(None, ["train.lr=0"]),
+        GearsInputError,
+        ("'train.lr'",),
+        r"must be > 0",
+    ),
+    # ------------------------------------------------------------ checkpoints
+    Case(
+        "saved model from another gene set",
+        lambda c: GEARS(c.other_genes, device="cpu").load_pretrained(c.tmp / "model"),
+        GearsInputError,
+        ("25 genes", "G24"),
+        r"load it with the PertData",
+    ),
+    Case(
+        "saved model from another perturbation vocabulary",
+        lambda c: GEARS(c.other_perts, device="cpu").load_pretrained(c.tmp / "model"),
+        GearsInputError,
+        ("perturbation vocabulary", "G03"),
+        r"data\.gene2go",
+    ),
+    Case(
+        "saved model.pt of another model size",
+        model_file_other_size,
+        GearsInputError,
+        (r"mixed_model/model\.pt", "model.hidden_size: checkpoint 16 vs now 8"),
+        r"Use the settings",
+    ),
+    Case(
+        "resume from a checkpoint of another model size",
+        lambda c: _resume(c, c.data, hidden=16),
+        GearsInputError,
+        (r"epoch_0001\.pt", "model.hidden_size: checkpoint 8 vs now 16"),
+        r"Use the settings",
+    ),
+    Case(
+        "resume from a checkpoint of another gene set",
+        lambda c: _resume(c, c.other_genes, hidden=8),
+        GearsInputError,
+        (r"epoch_0001\.pt", "vocab_hash"),
+        r"use the same dataset",
+    ),
+    Case(
+        "model file that is not a checkpoint",
+        model_file_not_a_checkpoint,
+        GearsInputError,
+        (r"text_model/model\.pt",),
+        r"not a GEARS checkpoint",
+    ),
+    Case(
+        "model file that is a foreign pickle",
+        model_file_foreign_pickle,
+        GearsInputError,
+        (r"pickled_model/model\.pt",),
+        r"not a GEARS checkpoint",
+    ),
+    Case(
+        "model file of an older format",
+        model_file_old_format,
+        GearsInputError,
+        (r"old_model/model\.pt", "format None"),
+        r"Train again",
+    ),
+    Case(
+        "checkpoint path that does not exist",
+        lambda c: ckpt.load(c.tmp / "nowhere.pt"),
+        GearsInputError,
+        (r"nowhere\.pt",),
+        r"check the path",
+    ),
+    # ------------------------------------------------------- launcher variables
+    Case(
+        "WORLD_SIZE without RANK",
+        lambda c: launch_ranks({"WORLD_SIZE": "2"}),
+        GearsInputError,
+        ("WORLD_SIZE=2", "RANK"),
+        r"launch with torchrun",
+    ),
+    Case(
+        "RANK outside WORLD_SIZE",
+        lambda c: launch_ranks({"WORLD_SIZE": "2", "RANK": "2"}),
+        GearsInputError,
+        ("RANK=2", "WORLD_SIZE=2"),
+        r"let torchrun / srun set them",
+    ),
+    Case(
+        "RANK not an integer",
+        lambda c: launch_ranks({"WORLD_SIZE": "2", "RANK": "zero"}),
+        GearsInputError,
+        ("RANK='zero'",),
+        r"launch with torchrun",
+    ),
+    Case(
+        "gpu_ids naming a missing GPU",
+        lambda c: check_gpu_ids([0, 3], n_visible=2),
+        GearsInputError,
+        (r"gpu_ids=\[0, 3\]", r"\[3\]", "2 GPU"),
+        r"use ids 0\.\.1",
+    ),
+    Case(
+        "gpu_ids on a machine without GPUs",
+        choose_missing_gpu,
+        GearsInputError,
+        (r"gpu_ids=\[3\]", "0 GPU"),
+        r"device=cpu",
+    ),
+]
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def test_the_table_is_large_enough():
+    assert len(CASES) >= 25
+    assert len({c.id for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input_is_a_clear_error(ctx, case: Case):
+    with pytest.raises(case.error) as info:
+        case.run(ctx)
+    message = str(info.value)
+    for pattern in case.names:
+        assert re.search(pattern, message), (pattern, message)
+    assert re.search(case.fix, message), (case.fix, message)
+    assert "Traceback" not in message
+
+
+def test_unmapped_perts_drop_removes_conditions_and_reports_cell_counts(ctx):
+    adata = _relabel({"G03": "NOPE1"})
+    p = PertData(ctx.tmp / "d", gene2go=ctx.go, verbose=False, unmapped_perts="drop")
+    p.new_data_process("x", adata, write=False)
+    assert "NOPE1+ctrl" not in p.conditions
+    assert p.report["dropped_condition_cells"] == {"NOPE1+ctrl": 12}
+    assert p.report["perturbed_genes_without_go"] == ["NOPE1"]
+    assert p.adata.n_obs == adata.n_obs - 12
+    keep = PertData(ctx.tmp / "d", gene2go=ctx.go, verbose=False, unmapped_perts="keep")
+    assert "NOPE1+ctrl" in keep.new_data_process("x", adata, write=False).conditions
+    # The deprecated boolean still means keep; contradicting it with drop is an error.
+    assert PertData(ctx.tmp / "d", keep_unmapped_perts=True).unmapped_perts == "keep"
+    with pytest.raises(GearsInputError, match="contradicts data.unmapped_perts=drop"):
+        PertData(ctx.tmp / "d", keep_unmapped_perts=True, unmapped_perts="drop")
+
+
+def test_log_normalised_data_with_large_values_is_accepted(ctx):
+    """The raw-count check refuses integers only: log-normalised values are never all integer,
+    and integer data below the threshold (e.g. binarised) passes too."""
+    adata = tiny_screen()
+    adata.X = adata.X * 10.0 + 0.5  # max ~ 100, not integer-valued
+    _process(ctx, adata)
+    small = tiny_screen()
+    small.X = np.round(small.X)  # integers, max 9
+    _process(ctx, small)
+
+
+def test_crafted_pickle_checkpoint_is_refused_and_runs_no_code(ctx, tmp_path):
+    """A `__reduce__` that would write a file: loading must refuse it before anything runs,
+    whether through ckpt.load, resume or load_pretrained."""
+    marker = tmp_path / "pwned.txt"
+
+    class Exploit:
+        def __reduce__(self):
+            return (Path.write_text, (marker, "code ran"))
+
+    folder = _model_copy(ctx, "exploit_model")
+    torch.save({"format": ckpt.FORMAT_VERSION, "payload": Exploit()}, folder / "model.pt")
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    torch.save(
+        {"format": ckpt.FORMAT_VERSION, "x": Exploit()},
+        ckpt.checkpoint_path(run_dir / "checkpoints", 1),
+    )
+    with pytest.raises(GearsInputError, match="refused") as info:
+        ckpt.load(folder / "model.pt")
+    assert "model.pt" in str(info.value)
+    with pytest.raises(GearsInputError, match="refused"):
+        GEARS(ctx.data, device="cpu").load_pretrained(folder)
+    messages: list[str] = []
+    assert ckpt.load_latest(run_dir / "checkpoints", log=messages.append) is None
+    assert "refused" in messages[0]
+    assert not marker.exists()
+    # The same object under a trusting load does run: the test would catch a weaker loader.
+    torch.load(folder / "model.pt", weights_only=False)
+    assert marker.read_text() == "code ran"
+
+
+def test_crafted_pickle_split_file_runs_no_code(ctx, tmp_path):
+    marker = tmp_path / "pwned.txt"
+
+    class Exploit:
+        def __reduce__(self):
+            return (Path.write_text, (marker, "code ran"))
+
+    path = tmp_path / "split.pkl"
+    path.write_bytes(pickle.dumps({"train": ["G00+ctrl"], "x": Exploit()}))
+    with pytest.raises(GearsInputError, match="split.pkl"):
+        ctx.data.prepare_split("custom", split_dict_path=path)
+    ctx.data.prepare_split("simulation", seed=1)
+    assert not marker.exists()
+    plain = tmp_path / "plain.pkl"  # GEARS's own split pickles (dicts of name lists) still load
+    plain.write_bytes(pickle.dumps({"train": ["G00+ctrl"], "val": [], "test": ["G01+ctrl"]}))
+    assert ctx.data.prepare_split("custom", split_dict_path=plain).set2conditions["test"] == [
+        "G01+ctrl"
+    ]
+    ctx.data.prepare_split("simulation", seed=1)
