@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import io
 import os
 import pickle
 import re
+import signal
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -46,6 +48,17 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def _os_error_in(error: BaseException) -> OSError | None:
+    """The OSError behind `error` (itself, or in its chain of causes), if any."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, OSError):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
 def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
     """Call `write(tmp_path)` on a temp file next to `path`, fsync it, rename it over `path` and
     fsync the folder. On any failure the temp file is removed and `path` is left as it was; an
@@ -54,7 +67,13 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
-        write(tmp)
+        try:
+            write(tmp)
+        except Exception as e:  # torch.save re-raises a failed write as a RuntimeError
+            os_error = _os_error_in(e)
+            if os_error is None:
+                raise
+            raise os_error from None
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -79,6 +98,12 @@ def atomic_save(obj: Any, path: str | Path) -> Path:
 
     def write(tmp: Path) -> None:
         with open(tmp, "wb") as f:
+            if os.environ.get("GEARS_FAULT_KILL_WRITE") == Path(path).name:  # test hook
+                buffer = io.BytesIO()
+                torch.save(obj, buffer)
+                f.write(buffer.getvalue()[: buffer.tell() // 2])  # half written, then killed
+                f.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
             torch.save(obj, f)
             f.flush()
 
@@ -197,6 +222,10 @@ def load_latest(folder: str | Path, map_location="cpu", log=print) -> dict | Non
 
 
 def prune(folder: str | Path, keep: int = 2) -> None:
-    """Keep the newest `keep` checkpoints (the previous one survives a corrupt newest)."""
+    """Keep the newest `keep` checkpoints (the previous one survives a corrupt newest) and remove
+    temp files left by a process killed while writing (only rank 0 writes this folder)."""
     for path in list_checkpoints(folder)[:-keep]:
         path.unlink(missing_ok=True)
+    for stale in Path(folder).glob(".epoch_*.pt.tmp*"):
+        if not stale.name.endswith(f".tmp{os.getpid()}"):
+            stale.unlink(missing_ok=True)

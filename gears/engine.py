@@ -233,7 +233,7 @@ class Trainer:
         start = 0  # batches of this epoch already trained on (resumed after a SIGTERM stop)
         if self.partial is not None and self.partial["epoch"] == epoch:
             start, cells = self.partial["batch"], self.partial["cells"]
-            loss_sum += self.partial["loss_sum"].to(self.device)
+            loss_sum += self.partial["loss_sum"][self.env.rank].to(self.device)
         self.partial = None
         skipped_before = self.skipped_steps
         recent: list[tuple[int, int, torch.Tensor]] = []  # (step, batch, condition ids) unchecked
@@ -287,11 +287,13 @@ class Trainer:
                     stop = self.check_step(epoch, first_bad, recent)
                     recent, first_bad = [], torch.full_like(first_bad, -1)
                     if stop and i + 1 < n_batches:
+                        # Each rank's running loss over its shard, so each resumes its own sum.
+                        sums = all_gather_objects(self.env, loss_sum.detach().cpu())
                         self.partial = {
                             "epoch": epoch,
                             "batch": i + 1,
                             "cells": cells,
-                            "loss_sum": loss_sum.detach().cpu(),
+                            "loss_sum": torch.stack(sums),  # [world_size]
                         }
                         if bar is not None:
                             bar.close()

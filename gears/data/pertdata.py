@@ -186,9 +186,10 @@ class PertData:
             if self.gene2go_path is None:
                 tag = "_".join(f"{k}{v}" for k, v in sorted(params.items())) or "default"
                 path = self.data_dir / "synthetic" / f"gene2go_{tag}.tsv.gz"
-                path.parent.mkdir(parents=True, exist_ok=True)
-                if not path.exists():
-                    write_gene2go_tsv(self.synthetic.gene2go, path)
+                if not path.exists():  # rank 0 writes it; the others find it (no write at all)
+                    tmp = path.with_name(f".{os.getpid()}.{path.name}")  # keeps the .gz suffix
+                    write_gene2go_tsv(self.synthetic.gene2go, tmp)
+                    os.replace(tmp, path)  # whole or absent, even with two runs sharing data_dir
                 self.gene2go_path = path
             return self.new_data_process("synthetic", self.synthetic.adata, write=False)
         if data_name is not None and data_path is None:

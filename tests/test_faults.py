@@ -1,0 +1,305 @@
+"""Faults, for real: SIGKILL in the middle of a checkpoint write, a full disk (RLIMIT_FSIZE),
+SIGTERM (Slurm's preemption signal) on 1 and 2 processes with an exact resume, reruns giving the
+same metrics.json, rank 0 as the only writer (audited), NaN/inf losses and GradScaler skips."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers import tiny_gene2go, tiny_screen, write_gene2go
+from test_distributed import _env
+from test_engine import TINY_CLI
+
+from gears import checkpoint as ckpt
+from gears.api import GEARS
+from gears.config import TrainConfig
+from gears.data.pertdata import PertData
+from gears.distributed import DistEnv
+from gears.engine import Trainer, seed_everything
+from gears.errors import NonFiniteLossError
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 300
+RUN = (
+    "wandb.mode=disabled",
+    "device=cpu",
+    f"data.synthetic={TINY_CLI}",
+    "model.hidden_size=16",
+    "train.epochs=2",
+    "train.plot_conditions=0",
+    "distributed.timeout_s=60",
+)
+STEPS_PER_EPOCH = {1: 10, 2: 5}  # the tiny screen's 320 training cells in batches of 32/process
+
+# Loaded into every test process (PYTHONPATH): logs each file write, rename, mkdir or delete
+# under GEARS_AUDIT_ROOT with the writing process's RANK, so a test can prove rank 0 alone
+# writes. Writes from C code (h5py) are not seen; these runs make none.
+AUDIT_HOOK = """
+import os, sys
+_root, _log = os.environ.get("GEARS_AUDIT_ROOT"), os.environ.get("GEARS_AUDIT_LOG")
+if _root and _log:
+    _fd = os.open(f"{_log}.{os.getpid()}", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    _WRITE = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+
+    def _hook(event, args):
+        if event == "open":
+            path, mode, flags = args
+            if not (any(c in mode for c in "wax+") if isinstance(mode, str) else flags & _WRITE):
+                return
+        elif event in ("os.rename", "os.mkdir", "os.remove", "os.rmdir"):
+            path = args[0]
+        else:
+            return
+        if isinstance(path, (str, os.PathLike)) and os.fspath(path).startswith(_root):
+            line = f"{os.environ.get('RANK', '0')} {event} {os.fspath(path)}\\n"
+            os.write(_fd, line.encode())
+
+    sys.addaudithook(_hook)
+"""
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    """runs/ and data/ under an audited root; audit/ holds the hook and its logs."""
+    tmp = tmp_path_factory.mktemp("faults")
+    (tmp / "audit").mkdir()
+    (tmp / "audit" / "sitecustomize.py").write_text(AUDIT_HOOK)
+    (tmp / "work").mkdir()
+    return tmp
+
+
+def _train(work: Path, name: str, *extra: str, nproc: int = 1, env=None):
+    script = "train_single.py" if nproc == 1 else "train_distributed.py"
+    cmd = [sys.executable, str(ROOT / script)] + (["--nproc", str(nproc)] if nproc > 1 else [])
+    cmd += [f"out_dir={work / 'work' / name}", f"data.data_dir={work / 'work' / 'data'}", *RUN]
+    full_env = _env(
+        PYTHONPATH=os.pathsep.join([str(work / "audit"), os.environ.get("PYTHONPATH", "")]),
+        GEARS_AUDIT_ROOT=str(work / "work"),
+        GEARS_AUDIT_LOG=str(work / "audit" / "writes"),
+        **(env or {}),
+    )
+    result = subprocess.run(
+        [*cmd, *extra], capture_output=True, text=True, env=full_env, cwd=ROOT, timeout=TIMEOUT_S
+    )
+    result.why = f"exit {result.returncode}; stderr tail:\n{result.stderr[-3000:]}"
+    return result
+
+
+def _metrics(run_dir: Path) -> dict:
+    """metrics.json without its timing fields (the only part allowed to differ on a rerun)."""
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    metrics.pop("timing")
+    return metrics
+
+
+def _audited_writes(work: Path) -> list[tuple[str, str, str]]:
+    lines = []
+    for log in (work / "audit").glob("writes.*"):
+        lines += [tuple(line.split(" ", 2)) for line in log.read_text().splitlines()]
+    return lines
+
+
+def _names(run_dir: Path) -> list[str]:
+    return [p.name for p in ckpt.list_checkpoints(run_dir / "checkpoints")]
+
+
+@pytest.fixture(scope="module")
+def whole(work) -> dict[int, dict]:
+    """Uninterrupted runs on 1 and 2 processes: the reference every other run must equal."""
+    out = {}
+    for nproc in (1, 2):
+        result = _train(work, f"whole{nproc}", nproc=nproc)
+        assert result.returncode == 0, result.why
+        out[nproc] = _metrics(work / "work" / f"whole{nproc}")
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_rerun_gives_identical_metrics(work, whole, nproc):
+    """Same config and seed: the same metrics.json, bit for bit, except timing."""
+    again = _train(work, f"again{nproc}", nproc=nproc)
+    assert again.returncode == 0, again.why
+    assert _metrics(work / "work" / f"again{nproc}") == whole[nproc]
+    assert whole[nproc]["history"]["skipped_steps"] == [0, 0]  # recorded per epoch
+    assert len(whole[nproc]["history"]["train_loss"]) == 2
+
+
+@pytest.mark.slow
+def test_sigterm_mid_epoch_then_resume_equals_uninterrupted_one_process(work, whole):
+    run_dir = work / "work" / "term1"
+    stop_at = STEPS_PER_EPOCH[1] + 3  # 3 steps into epoch 2
+    stopped = _train(work, "term1", env={"GEARS_FAULT_KILL": f"0:step:{stop_at}:TERM"})
+    assert stopped.returncode == 0, stopped.why
+    assert "SIGTERM received: stopped at epoch 2, step 13" in stopped.stdout
+    assert "train.resume=true" in stopped.stdout
+    assert _names(run_dir) == ["epoch_0001.pt", "epoch_0001_step_000003.pt"]
+    assert not (run_dir / "metrics.json").exists()
+    state = ckpt.load(run_dir / "checkpoints" / "epoch_0001_step_000003.pt")
+    assert (state["step"], state["epoch"], state["partial"]["batch"]) == (13, 1, 3)
+    resumed = _train(work, "term1", "train.resume=true")
+    assert resumed.returncode == 0, resumed.why
+    assert "epoch_0001_step_000003.pt (epoch 1, 3 batches into the next, step 13)" in (
+        resumed.stdout
+    )
+    assert _metrics(run_dir) == whole[1]
+
+
+@pytest.mark.slow
+def test_sigterm_on_one_rank_then_resume_equals_uninterrupted_two_processes(work, whole):
+    """Rank 1 alone gets SIGTERM: rank 0 learns it through the step-boundary all-reduce, writes
+    the checkpoint (each rank's running loss included) and both exit cleanly."""
+    run_dir = work / "work" / "term2"
+    stop_at = STEPS_PER_EPOCH[2] + 2
+    stopped = _train(work, "term2", nproc=2, env={"GEARS_FAULT_KILL": f"1:step:{stop_at}:TERM"})
+    assert stopped.returncode == 0, stopped.why
+    assert stopped.stdout.count("SIGTERM received: stopped at epoch 2, step 7") == 1  # rank 0
+    assert _names(run_dir) == ["epoch_0001.pt", "epoch_0001_step_000002.pt"]
+    assert not (run_dir / "metrics.json").exists()
+    resumed = _train(work, "term2", "train.resume=true", nproc=2)
+    assert resumed.returncode == 0, resumed.why
+    assert _metrics(run_dir) == whole[2]
+
+
+@pytest.mark.slow
+def test_only_rank_zero_writes_files(work, whole):
+    """Every write under the run and data folders by the 2-process runs came from rank 0 (the
+    audit sees rank 0's writes, so it would see rank 1's)."""
+    writes = _audited_writes(work)
+    assert any(rank == "0" and "whole2/.metrics.json.tmp" in path for rank, _, path in writes)
+    assert [w for w in writes if w[0] != "0"] == []
+
+
+# --------------------------------------------------------------------- writes that fail midway
+_WRITER = textwrap.dedent(
+    """
+    import resource, sys, torch
+    from gears import checkpoint as ckpt
+    from gears.errors import GearsInputError
+    path, limit = sys.argv[1], int(sys.argv[2])
+    if limit:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))  # Python ignores SIGXFSZ
+    try:
+        ckpt.atomic_save({"format": 2, "version": 2, "w": torch.ones(1_000_000)}, path)
+    except GearsInputError as e:
+        print(type(e).__name__, e)
+        sys.exit(2)
+    """
+)
+
+
+def _write_in_subprocess(path: Path, limit: int = 0, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", _WRITER, str(path), str(limit)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        timeout=120,
+    )
+
+
+def test_sigkill_during_checkpoint_write_keeps_the_previous_checkpoint(tmp_path):
+    folder = tmp_path / "checkpoints"
+    ckpt.atomic_save({"version": 1}, ckpt.checkpoint_path(folder, 1))
+    newest = ckpt.checkpoint_path(folder, 2)
+    ckpt.atomic_save({"version": 1}, newest)
+    killed = _write_in_subprocess(newest, env={"GEARS_FAULT_KILL_WRITE": newest.name})
+    assert killed.returncode == -9, killed.stderr
+    stray = [p for p in folder.iterdir() if ".tmp" in p.name]
+    assert len(stray) == 1 and stray[0].stat().st_size > 0  # the half-written temp file
+    assert ckpt.load(newest) == {"version": 1}  # the rename never happened
+    assert ckpt.load_latest(folder)["version"] == 1
+    ckpt.atomic_save({"version": 3}, ckpt.checkpoint_path(folder, 3))
+    ckpt.prune(folder)  # the next successful save clears the dead process's temp file
+    assert not [p for p in folder.iterdir() if ".tmp" in p.name]
+
+
+def test_disk_full_on_checkpoint_write_is_a_clear_error_keeping_the_previous(tmp_path):
+    path = ckpt.checkpoint_path(tmp_path / "checkpoints", 1)
+    ckpt.atomic_save({"version": 1}, path)
+    full = _write_in_subprocess(path, limit=256 * 1024)  # the new file needs 4 MB
+    assert full.returncode == 2, full.stderr
+    assert "CheckpointWriteError" in full.stdout
+    assert str(path) in full.stdout and "disk is full" in full.stdout
+    assert "previous file is kept" in full.stdout and "train.resume=true" in full.stdout
+    assert "Traceback" not in full.stderr
+    assert ckpt.load(path) == {"version": 1}
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # temp file removed
+
+
+# ------------------------------------------------------------------ non-finite losses (in process)
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> PertData:
+    tmp = tmp_path_factory.mktemp("nan")
+    go = write_gene2go(tmp / "go.tsv", tiny_gene2go())
+    p = PertData(tmp / "data", gene2go=go, verbose=False)
+    p.new_data_process("tiny", tiny_screen(), write=False)
+    return p.prepare_split("simulation", seed=1)
+
+
+def _poisoned_trainer(tiny, bad_call: int, out_dir=None, **train_kw) -> Trainer:
+    """A trainer whose network returns NaN on its `bad_call`-th forward."""
+    seed_everything(0)
+    model = GEARS(tiny, device="cpu").model_initialize(hidden_size=8)
+    calls = [0]
+
+    def poison(module, inputs, output):
+        calls[0] += 1
+        return output * float("nan") if calls[0] == bad_call else output
+
+    model.model.register_forward_hook(poison)
+    cfg = TrainConfig(epochs=2, batch_size=8, schedule="constant", **train_kw)
+    return Trainer(model.model, tiny, cfg, model.model_config(), DistEnv(), out_dir=out_dir)
+
+
+def _loaders(tiny, batch_size: int = 8) -> dict:
+    return tiny.get_dataloader(batch_size, 16)
+
+
+def test_nan_loss_names_epoch_step_and_the_batch_conditions(tiny, tmp_path):
+    loaders = _loaders(tiny)
+    trainer = _poisoned_trainer(tiny, bad_call=3, out_dir=tmp_path)
+    loader = loaders["train_loader"]
+    loader.set_epoch(0)
+    third = [b for _, b in zip(range(3), loader, strict=False)][2]
+    expected = [tiny.conditions[int(c)] for c in third.uniq_cond]
+    with pytest.raises(NonFiniteLossError) as info:
+        trainer.fit(loaders, progress=False)
+    message = str(info.value)
+    assert "epoch 1, step 3 (batch 3 of the epoch)" in message
+    assert str(expected[:20]) in message
+    assert "Lower train.lr" in message
+    assert not (tmp_path / "checkpoints").exists()  # nothing written after the NaN
+
+
+def test_inf_loss_is_caught_when_checked_at_the_logging_interval(tiny):
+    """The GPU path reads the flag every log_every steps (no host sync per step): the bad
+    batch is still the one reported."""
+    loaders = _loaders(tiny)
+    trainer = _poisoned_trainer(tiny, bad_call=2)
+    trainer.check_every = 4
+    with pytest.raises(NonFiniteLossError, match=r"epoch 1, step 2 \(batch 2 of the epoch\)"):
+        trainer.fit(loaders, progress=False)
+
+
+def test_gradscaler_skipped_steps_are_counted_not_fatal(tiny):
+    """fp16's GradScaler (the CPU twin: a CPU GradScaler) skips the step of a non-finite
+    gradient, lowers the scale and goes on; the skip is counted per epoch."""
+    loaders = _loaders(tiny)
+    trainer = _poisoned_trainer(tiny, bad_call=2)
+    trainer.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    history = trainer.fit(loaders, progress=False)
+    assert trainer.skipped_steps == 1
+    assert history.skipped_steps == [1, 0]
+    assert trainer.step == 2 * len(loaders["train_loader"])
+    assert all(torch.isfinite(p).all() for p in trainer.net.parameters())
+    assert np.isfinite(history.train_loss[1])
