@@ -42,9 +42,14 @@ def _plain(value):
 
 
 def seed_everything(seed: int) -> None:
+    """Seed every generator. GEARS_DETERMINISTIC=1 also selects deterministic kernels (GPU
+    reruns then match bit for bit; CPU reruns always do)."""
     random.seed(seed)
     np.random.seed(seed % (2**32))
     torch.manual_seed(seed)
+    if os.environ.get("GEARS_DETERMINISTIC", "0") == "1":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts
+        torch.use_deterministic_algorithms(True)
 
 
 def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:

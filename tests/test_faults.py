@@ -303,3 +303,20 @@ def test_gradscaler_skipped_steps_are_counted_not_fatal(tiny):
     assert trainer.step == 2 * len(loaders["train_loader"])
     assert all(torch.isfinite(p).all() for p in trainer.net.parameters())
     assert np.isfinite(history.train_loss[1])
+
+
+def test_gears_deterministic_selects_deterministic_kernels(monkeypatch):
+    monkeypatch.setenv("GEARS_DETERMINISTIC", "1")
+    before = os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+    try:
+        seed_everything(3)
+        assert torch.are_deterministic_algorithms_enabled()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    finally:
+        torch.use_deterministic_algorithms(False)
+        os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+        if before is not None:
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = before
+    monkeypatch.setenv("GEARS_DETERMINISTIC", "0")
+    seed_everything(3)
+    assert not torch.are_deterministic_algorithms_enabled()
