@@ -253,7 +253,8 @@ class GEARS:
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         meta = dict(self.config, gene_names=self.gene_list, pert_names=self.pert_list)
-        (path / CONFIG_FILE).write_text(json.dumps(meta, indent=1))
+        text = json.dumps(meta, indent=1)
+        ckpt.atomic_write(path / CONFIG_FILE, lambda tmp: tmp.write_text(text))
         state = {
             "format": ckpt.FORMAT_VERSION,
             "meta": self._checkpoint_meta(),

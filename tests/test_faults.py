@@ -320,3 +320,32 @@ def test_gears_deterministic_selects_deterministic_kernels(monkeypatch):
     monkeypatch.setenv("GEARS_DETERMINISTIC", "0")
     seed_everything(3)
     assert not torch.are_deterministic_algorithms_enabled()
+
+
+def test_nan_loss_in_a_process_group_names_the_rank(tiny):
+    """The distributed path (flags all-reduced, the bad batch gathered from its rank) on a real
+    one-process gloo group."""
+    import torch.distributed as dist
+
+    from gears.distributed import find_free_port
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{find_free_port()}", rank=0, world_size=1
+    )
+    try:
+        seed_everything(0)
+        model = GEARS(tiny, device="cpu").model_initialize(hidden_size=8)
+        calls = [0]
+
+        def poison(module, inputs, output):
+            calls[0] += 1
+            return output * float("inf") if calls[0] == 2 else output
+
+        model.model.register_forward_hook(poison)
+        env = DistEnv(0, 0, 1, torch.device("cpu"), "gloo")
+        cfg = TrainConfig(epochs=1, batch_size=8)
+        trainer = Trainer(model.model, tiny, cfg, model.model_config(), env)
+        with pytest.raises(NonFiniteLossError, match=r"step 2 \(batch 2 of the epoch\) on rank 0"):
+            trainer.fit(_loaders(tiny), progress=False)
+    finally:
+        dist.destroy_process_group()
