@@ -269,7 +269,7 @@ def load_split_dict(path: str | Path, conditions: Sequence[str]) -> dict[str, li
             errors.append(f"{reader.__name__[6:]}: {exc}")
     else:
         raise GearsInputError(
-            f"custom split file {path} is neither JSON nor a plain pickle ({'; '.join(errors)}); "
+            f"custom split file {path} is neither JSON nor a pickle ({'; '.join(errors)}); "
             'write it as JSON: {"train": [...], "val": [...], "test": [...]}'
         )
     conds = _check_conditions(conditions, need_ctrl=False)
