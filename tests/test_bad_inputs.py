@@ -25,7 +25,7 @@ from gears.config import ModelConfig, TrainConfig, load_config
 from gears.data.pertdata import PertData
 from gears.distributed import DistEnv, check_gpu_ids, choose_device, launch_ranks
 from gears.engine import Trainer, autocast_dtype, seed_everything
-from gears.errors import GearsInputError
+from gears.errors import GearsInputError, TrainingStopped
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +48,13 @@ def ctx(tmp_path_factory) -> SimpleNamespace:
     loaders = data.get_dataloader(cfg.batch_size, 16)
     trainer = Trainer(model.model, data, cfg, model.model_config(), DistEnv(), out_dir=tmp / "run")
     trainer.fit(loaders, progress=False)  # writes run/checkpoints/epoch_0001.pt
+    # A run stopped by SIGTERM after its first step: a mid-epoch checkpoint in stopped/.
+    stopped = Trainer(
+        model.model, data, cfg, model.model_config(), DistEnv(), out_dir=tmp / "stopped"
+    )
+    stopped.stop_requested = True
+    with pytest.raises(TrainingStopped):
+        stopped.fit(loaders, progress=False)
     fewer_genes = tiny_screen()[:, :-1].copy()  # G24 gone from the measured genes
     go_without_g03 = tiny_gene2go()
     del go_without_g03["G03"]
@@ -118,13 +125,13 @@ def choose_missing_gpu(ctx):
     choose_device("auto", 0, [3])  # the CPU twin of a machine with fewer GPUs than listed
 
 
-def _resume(ctx, data, hidden: int, **train_kw):
-    """A trainer over `data` resuming from the module's checkpoint folder."""
+def _resume(ctx, data, hidden: int, run: str = "run", **train_kw):
+    """A trainer over `data` resuming from the checkpoint folder of `run`."""
     seed_everything(0)
     model = GEARS(data, device="cpu").model_initialize(hidden_size=hidden)
-    cfg = TrainConfig(epochs=2, batch_size=8, **train_kw)
+    cfg = TrainConfig(**{"epochs": 2, "batch_size": 8, **train_kw})
     trainer = Trainer(
-        model.model, data, cfg, ModelConfig(hidden_size=hidden), DistEnv(), out_dir=ctx.tmp / "run"
+        model.model, data, cfg, ModelConfig(hidden_size=hidden), DistEnv(), out_dir=ctx.tmp / run
     )
     trainer.resume()
 
@@ -408,6 +415,13 @@ CASES = [
         GearsInputError,
         (r"epoch_0001\.pt", "vocab_hash"),
         r"use the same dataset",
+    ),
+    Case(
+        "resume mid-epoch with another batch size",
+        lambda c: _resume(c, c.data, hidden=8, run="stopped", batch_size=16),
+        GearsInputError,
+        (r"epoch_0000_step_000001\.pt", "train.batch_size: checkpoint 8 vs now 16"),
+        r"Use the settings",
     ),
     Case(
         "model file that is not a checkpoint",
