@@ -83,3 +83,51 @@ def canonical_by_hand(raw: str) -> str:
     if len(genes) == 1:
         return f"{genes[0]}+ctrl"
     return "+".join(sorted(genes))
+
+
+# Loaded into test subprocesses through PYTHONPATH (see audit_env): logs each file write,
+# rename, mkdir or delete under GEARS_AUDIT_ROOT with the writing process's RANK, so a test can
+# prove that rank 0 alone writes. Writes from C code (h5py) are not seen; the tiny runs make none.
+AUDIT_HOOK = """
+import os, sys
+_root, _log = os.environ.get("GEARS_AUDIT_ROOT"), os.environ.get("GEARS_AUDIT_LOG")
+if _root and _log:
+    _fd = os.open(f"{_log}.{os.getpid()}", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    _WRITE = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+
+    def _hook(event, args):
+        if event == "open":
+            path, mode, flags = args
+            if not (any(c in mode for c in "wax+") if isinstance(mode, str) else flags & _WRITE):
+                return
+        elif event in ("os.rename", "os.mkdir", "os.remove", "os.rmdir"):
+            path = args[0]
+        else:
+            return
+        if isinstance(path, (str, os.PathLike)) and os.fspath(path).startswith(_root):
+            line = f"{os.environ.get('RANK', '0')} {event} {os.fspath(path)}\\n"
+            os.write(_fd, line.encode())
+
+    sys.addaudithook(_hook)
+"""
+
+
+def audit_env(audit_dir: Path, root: Path) -> dict[str, str]:
+    """Environment variables that make test subprocesses log their writes under `root`."""
+    import os
+
+    audit_dir.mkdir(parents=True, exist_ok=True)
+    (audit_dir / "sitecustomize.py").write_text(AUDIT_HOOK)
+    return {
+        "PYTHONPATH": os.pathsep.join([str(audit_dir), os.environ.get("PYTHONPATH", "")]),
+        "GEARS_AUDIT_ROOT": str(root),
+        "GEARS_AUDIT_LOG": str(audit_dir / "writes"),
+    }
+
+
+def audited_writes(audit_dir: Path) -> list[tuple[str, str, str]]:
+    """(rank, event, path) of every logged write."""
+    lines = []
+    for log in Path(audit_dir).glob("writes.*"):
+        lines += [tuple(line.split(" ", 2)) for line in log.read_text().splitlines()]
+    return lines

@@ -415,3 +415,46 @@ def test_train_multi_gpu_on_cpu_returns_the_spawn_runs_metrics(
     assert spawn_run.ok(), spawn_run.why()
     _assert_same_weights(tmp_path / "run", _run_dir(spawn_run))
     _assert_same_test_metrics(metrics, _metrics(_run_dir(spawn_run)))
+
+
+def _metrics_without_timing(run_dir: Path) -> dict:
+    metrics = _metrics(run_dir)
+    metrics.pop("timing")
+    return metrics
+
+
+@pytest.mark.slow
+def test_two_process_reruns_give_identical_metrics_json(torchrun_run, spawn_run):
+    """Determinism with 2 processes: two launches of the same config and seed (torchrun and
+    mp.spawn) write the same metrics.json bit for bit, timing aside."""
+    assert torchrun_run.ok(), torchrun_run.why()
+    assert spawn_run.ok(), spawn_run.why()
+    got = _metrics_without_timing(_run_dir(torchrun_run))
+    assert got == _metrics_without_timing(_run_dir(spawn_run))
+
+
+@pytest.mark.slow
+def test_sigterm_on_one_rank_then_resume_equals_uninterrupted(tmp_path, spawn_run):
+    """Rank 1 alone gets SIGTERM mid-epoch 2: rank 0 learns it through the step-boundary
+    all-reduce and writes the checkpoint (each rank's running loss in it), both exit 0, and
+    train.resume=true ends where the uninterrupted run ended. Every write of both runs is
+    audited: rank 1 writes nothing."""
+    from helpers import audit_env, audited_writes
+
+    assert spawn_run.ok(), spawn_run.why()
+    audit = audit_env(tmp_path / "audit", tmp_path / "work")
+    work = tmp_path / "work"
+    stop_at = _steps_per_epoch(_run_dir(spawn_run)) + 2
+    stopped = _spawn_run(work, env=_env(GEARS_FAULT_KILL=f"1:step:{stop_at}:TERM", **audit))
+    assert stopped.ok(), stopped.why()
+    assert stopped.stdout.count(f"SIGTERM received: stopped at epoch 2, step {stop_at}") == 1
+    names = [p.name for p in ckpt.list_checkpoints(work / "run" / "checkpoints")]
+    assert names == ["epoch_0001.pt", "epoch_0001_step_000002.pt"]
+    assert not (work / "run" / "metrics.json").exists()
+    resumed = _spawn_run(work, "train.resume=true", env=_env(**audit))
+    assert resumed.ok(), resumed.why()
+    want = _metrics_without_timing(_run_dir(spawn_run))
+    assert _metrics_without_timing(work / "run") == want
+    writes = audited_writes(tmp_path / "audit")
+    assert any(rank == "0" and "run/.metrics.json.tmp" in path for rank, _, path in writes)
+    assert [w for w in writes if w[0] != "0"] == []

@@ -265,11 +265,25 @@ def _run_cli(out_dir: Path, data_dir: Path, *extra: str, env=None) -> subprocess
     return subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=600)
 
 
-@pytest.mark.slow
-def test_kill_and_resume_matches_uninterrupted_run(tmp_path):
-    data = tmp_path / "data"
-    whole = _run_cli(tmp_path / "whole", data)
+@pytest.fixture(scope="module")
+def whole_run(tmp_path_factory) -> Path:
+    """One uninterrupted CLI run (3 epochs) that the fault and rerun tests compare against."""
+    tmp = tmp_path_factory.mktemp("whole_run")
+    whole = _run_cli(tmp / "whole", tmp / "data")
     assert whole.returncode == 0, whole.stderr[-2000:]
+    return tmp / "whole"
+
+
+def _metrics_without_timing(run_dir: Path) -> dict:
+    """metrics.json without its timing fields (the only part allowed to differ on a rerun)."""
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    metrics.pop("timing")
+    return metrics
+
+
+@pytest.mark.slow
+def test_kill_and_resume_matches_uninterrupted_run(tmp_path, whole_run):
+    data = tmp_path / "data"
     killed = _run_cli(tmp_path / "resumed", data, env={"GEARS_FAULT_KILL": "0:epoch:1"})
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     assert [p.name for p in ckpt.list_checkpoints(tmp_path / "resumed" / "checkpoints")] == [
@@ -278,14 +292,47 @@ def test_kill_and_resume_matches_uninterrupted_run(tmp_path):
     resumed = _run_cli(tmp_path / "resumed", data, "train.resume=true")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resumed from" in resumed.stdout
-    a = ckpt.load(tmp_path / "whole" / "model" / "model.pt")["state_dict"]
+    a = ckpt.load(whole_run / "model" / "model.pt")["state_dict"]
     b = ckpt.load(tmp_path / "resumed" / "model" / "model.pt")["state_dict"]
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-6, msg=k)
-    ma = json.loads((tmp_path / "whole" / "metrics.json").read_text())
+    ma = json.loads((whole_run / "metrics.json").read_text())
     mb = json.loads((tmp_path / "resumed" / "metrics.json").read_text())
     assert ma["test"]["mse_de"] == pytest.approx(mb["test"]["mse_de"], rel=1e-6)
     assert ma["history"]["train_loss"] == pytest.approx(mb["history"]["train_loss"], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_rerun_gives_identical_metrics_json(tmp_path, whole_run):
+    """Determinism on CPU: the same config and seed, a fresh process, the same metrics.json bit
+    for bit (timing aside). The 2-process check is in tests/test_distributed.py."""
+    again = _run_cli(tmp_path / "again", tmp_path / "data")
+    assert again.returncode == 0, again.stderr[-2000:]
+    want = _metrics_without_timing(whole_run)
+    assert _metrics_without_timing(tmp_path / "again") == want
+    assert want["history"]["skipped_steps"] == [0, 0, 0]  # GradScaler skips, recorded per epoch
+
+
+@pytest.mark.slow
+def test_sigterm_mid_epoch_then_resume_equals_uninterrupted(tmp_path, whole_run):
+    """SIGTERM (Slurm's preemption signal) 3 steps into epoch 2: the process writes a mid-epoch
+    checkpoint and exits 0; train.resume=true then ends exactly where the whole run ended."""
+    run_dir = tmp_path / "term"
+    stopped = _run_cli(run_dir, tmp_path / "data", env={"GEARS_FAULT_KILL": "0:step:13:TERM"})
+    assert stopped.returncode == 0, stopped.stderr[-2000:]
+    assert "SIGTERM received: stopped at epoch 2, step 13" in stopped.stdout
+    assert "train.resume=true" in stopped.stdout
+    names = [p.name for p in ckpt.list_checkpoints(run_dir / "checkpoints")]
+    assert names == ["epoch_0001.pt", "epoch_0001_step_000003.pt"]
+    assert not (run_dir / "metrics.json").exists()
+    state = ckpt.load(run_dir / "checkpoints" / names[-1])
+    assert (state["step"], state["epoch"], state["partial"]["batch"]) == (13, 1, 3)
+    resumed = _run_cli(run_dir, tmp_path / "data", "train.resume=true")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "epoch_0001_step_000003.pt (epoch 1, 3 batches into the next, step 13)" in (
+        resumed.stdout
+    )
+    assert _metrics_without_timing(run_dir) == _metrics_without_timing(whole_run)
 
 
 def test_bad_config_key_is_one_clear_line(tmp_path):

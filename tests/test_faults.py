@@ -1,10 +1,10 @@
-"""Faults, for real: SIGKILL in the middle of a checkpoint write, a full disk (RLIMIT_FSIZE),
-SIGTERM (Slurm's preemption signal) on 1 and 2 processes with an exact resume, reruns giving the
-same metrics.json, rank 0 as the only writer (audited), NaN/inf losses and GradScaler skips."""
+"""Faults, for real: SIGKILL in the middle of a checkpoint write and a full disk (RLIMIT_FSIZE)
+in subprocesses; NaN/inf losses and GradScaler skips. SIGTERM with exact resume, reruns giving
+the same metrics.json and the rank-0-only write audit run with the CLI runs they share:
+tests/test_engine.py (1 process) and tests/test_distributed.py (2 processes)."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -15,8 +15,6 @@ import numpy as np
 import pytest
 import torch
 from helpers import tiny_gene2go, tiny_screen, write_gene2go
-from test_distributed import _env
-from test_engine import TINY_CLI
 
 from gears import checkpoint as ckpt
 from gears.api import GEARS
@@ -28,156 +26,6 @@ from gears.errors import NonFiniteLossError
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 300
-RUN = (
-    "wandb.mode=disabled",
-    "device=cpu",
-    f"data.synthetic={TINY_CLI}",
-    "model.hidden_size=16",
-    "train.epochs=2",
-    "train.plot_conditions=0",
-    "distributed.timeout_s=60",
-)
-STEPS_PER_EPOCH = {1: 10, 2: 5}  # the tiny screen's 320 training cells in batches of 32/process
-
-# Loaded into every test process (PYTHONPATH): logs each file write, rename, mkdir or delete
-# under GEARS_AUDIT_ROOT with the writing process's RANK, so a test can prove rank 0 alone
-# writes. Writes from C code (h5py) are not seen; these runs make none.
-AUDIT_HOOK = """
-import os, sys
-_root, _log = os.environ.get("GEARS_AUDIT_ROOT"), os.environ.get("GEARS_AUDIT_LOG")
-if _root and _log:
-    _fd = os.open(f"{_log}.{os.getpid()}", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    _WRITE = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
-
-    def _hook(event, args):
-        if event == "open":
-            path, mode, flags = args
-            if not (any(c in mode for c in "wax+") if isinstance(mode, str) else flags & _WRITE):
-                return
-        elif event in ("os.rename", "os.mkdir", "os.remove", "os.rmdir"):
-            path = args[0]
-        else:
-            return
-        if isinstance(path, (str, os.PathLike)) and os.fspath(path).startswith(_root):
-            line = f"{os.environ.get('RANK', '0')} {event} {os.fspath(path)}\\n"
-            os.write(_fd, line.encode())
-
-    sys.addaudithook(_hook)
-"""
-
-
-@pytest.fixture(scope="module")
-def work(tmp_path_factory) -> Path:
-    """runs/ and data/ under an audited root; audit/ holds the hook and its logs."""
-    tmp = tmp_path_factory.mktemp("faults")
-    (tmp / "audit").mkdir()
-    (tmp / "audit" / "sitecustomize.py").write_text(AUDIT_HOOK)
-    (tmp / "work").mkdir()
-    return tmp
-
-
-def _train(work: Path, name: str, *extra: str, nproc: int = 1, env=None):
-    script = "train_single.py" if nproc == 1 else "train_distributed.py"
-    cmd = [sys.executable, str(ROOT / script)] + (["--nproc", str(nproc)] if nproc > 1 else [])
-    cmd += [f"out_dir={work / 'work' / name}", f"data.data_dir={work / 'work' / 'data'}", *RUN]
-    full_env = _env(
-        PYTHONPATH=os.pathsep.join([str(work / "audit"), os.environ.get("PYTHONPATH", "")]),
-        GEARS_AUDIT_ROOT=str(work / "work"),
-        GEARS_AUDIT_LOG=str(work / "audit" / "writes"),
-        **(env or {}),
-    )
-    result = subprocess.run(
-        [*cmd, *extra], capture_output=True, text=True, env=full_env, cwd=ROOT, timeout=TIMEOUT_S
-    )
-    result.why = f"exit {result.returncode}; stderr tail:\n{result.stderr[-3000:]}"
-    return result
-
-
-def _metrics(run_dir: Path) -> dict:
-    """metrics.json without its timing fields (the only part allowed to differ on a rerun)."""
-    metrics = json.loads((run_dir / "metrics.json").read_text())
-    metrics.pop("timing")
-    return metrics
-
-
-def _audited_writes(work: Path) -> list[tuple[str, str, str]]:
-    lines = []
-    for log in (work / "audit").glob("writes.*"):
-        lines += [tuple(line.split(" ", 2)) for line in log.read_text().splitlines()]
-    return lines
-
-
-def _names(run_dir: Path) -> list[str]:
-    return [p.name for p in ckpt.list_checkpoints(run_dir / "checkpoints")]
-
-
-@pytest.fixture(scope="module")
-def whole(work) -> dict[int, dict]:
-    """Uninterrupted runs on 1 and 2 processes: the reference every other run must equal."""
-    out = {}
-    for nproc in (1, 2):
-        result = _train(work, f"whole{nproc}", nproc=nproc)
-        assert result.returncode == 0, result.why
-        out[nproc] = _metrics(work / "work" / f"whole{nproc}")
-    return out
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_rerun_gives_identical_metrics(work, whole, nproc):
-    """Same config and seed: the same metrics.json, bit for bit, except timing."""
-    again = _train(work, f"again{nproc}", nproc=nproc)
-    assert again.returncode == 0, again.why
-    assert _metrics(work / "work" / f"again{nproc}") == whole[nproc]
-    assert whole[nproc]["history"]["skipped_steps"] == [0, 0]  # recorded per epoch
-    assert len(whole[nproc]["history"]["train_loss"]) == 2
-
-
-@pytest.mark.slow
-def test_sigterm_mid_epoch_then_resume_equals_uninterrupted_one_process(work, whole):
-    run_dir = work / "work" / "term1"
-    stop_at = STEPS_PER_EPOCH[1] + 3  # 3 steps into epoch 2
-    stopped = _train(work, "term1", env={"GEARS_FAULT_KILL": f"0:step:{stop_at}:TERM"})
-    assert stopped.returncode == 0, stopped.why
-    assert "SIGTERM received: stopped at epoch 2, step 13" in stopped.stdout
-    assert "train.resume=true" in stopped.stdout
-    assert _names(run_dir) == ["epoch_0001.pt", "epoch_0001_step_000003.pt"]
-    assert not (run_dir / "metrics.json").exists()
-    state = ckpt.load(run_dir / "checkpoints" / "epoch_0001_step_000003.pt")
-    assert (state["step"], state["epoch"], state["partial"]["batch"]) == (13, 1, 3)
-    resumed = _train(work, "term1", "train.resume=true")
-    assert resumed.returncode == 0, resumed.why
-    assert "epoch_0001_step_000003.pt (epoch 1, 3 batches into the next, step 13)" in (
-        resumed.stdout
-    )
-    assert _metrics(run_dir) == whole[1]
-
-
-@pytest.mark.slow
-def test_sigterm_on_one_rank_then_resume_equals_uninterrupted_two_processes(work, whole):
-    """Rank 1 alone gets SIGTERM: rank 0 learns it through the step-boundary all-reduce, writes
-    the checkpoint (each rank's running loss included) and both exit cleanly."""
-    run_dir = work / "work" / "term2"
-    stop_at = STEPS_PER_EPOCH[2] + 2
-    stopped = _train(work, "term2", nproc=2, env={"GEARS_FAULT_KILL": f"1:step:{stop_at}:TERM"})
-    assert stopped.returncode == 0, stopped.why
-    assert stopped.stdout.count("SIGTERM received: stopped at epoch 2, step 7") == 1  # rank 0
-    assert _names(run_dir) == ["epoch_0001.pt", "epoch_0001_step_000002.pt"]
-    assert not (run_dir / "metrics.json").exists()
-    resumed = _train(work, "term2", "train.resume=true", nproc=2)
-    assert resumed.returncode == 0, resumed.why
-    assert _metrics(run_dir) == whole[2]
-
-
-@pytest.mark.slow
-def test_only_rank_zero_writes_files(work, whole):
-    """Every write under the run and data folders by the 2-process runs came from rank 0 (the
-    audit sees rank 0's writes, so it would see rank 1's)."""
-    writes = _audited_writes(work)
-    assert any(rank == "0" and "whole2/.metrics.json.tmp" in path for rank, _, path in writes)
-    assert [w for w in writes if w[0] != "0"] == []
-
-
 # --------------------------------------------------------------------- writes that fail midway
 _WRITER = textwrap.dedent(
     """
