@@ -193,7 +193,8 @@ class GEARS:
                     raise GearsInputError(
                         f"gene {gene!r} is not in the perturbation graph (genes with GO "
                         "annotations among the measured and perturbed genes); it cannot be "
-                        "predicted"
+                        "predicted. Choose genes from GEARS.pert_list (check the spelling), or "
+                        "retrain with data.unmapped_perts=keep to include genes without GO terms"
                     )
                 rows[i, slot] = index[gene]
         return rows

@@ -130,7 +130,7 @@ def load(path: str | Path, map_location="cpu") -> dict:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
         lines = [ln.strip() for ln in re.sub(r"\x1b\[[0-9;]*m", "", str(e)).splitlines()]
-        why = [ln for ln in lines if "Unsupported" in ln or "Unpickler error" in ln]
+        why = [ln for ln in lines if ln.startswith("Unsupported")]  # torch names what it refused
         first = (why or lines or [type(e).__name__])[0]
         if "weights_only" in str(e).lower() or why:
             raise GearsInputError(

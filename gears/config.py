@@ -278,7 +278,7 @@ def load_config(
             continue
         p = Path(p)
         if not p.exists():
-            raise GearsInputError(f"config file {p} does not exist")
+            raise GearsInputError(f"config file {p} does not exist; check the --config path")
         data = yaml.safe_load(p.read_text()) or {}
         if not isinstance(data, dict):
             raise GearsInputError(f"config file {p} must hold a mapping of keys, not {type(data)}")

@@ -287,8 +287,8 @@ CASES = [
         "predict a gene outside the graph",
         lambda c: c.model.predict([["NOT_A_GENE"]]),
         GearsInputError,
-        ("NOT_A_GENE",),
-        r"perturbation graph",
+        ("NOT_A_GENE", "perturbation graph"),
+        r"Choose genes from GEARS\.pert_list",
     ),
     Case(
         "unmapped_perts not a choice",
@@ -352,8 +352,8 @@ CASES = [
         "config file missing",
         config_file_missing,
         GearsInputError,
-        (r"no_such\.yaml",),
-        r"does not exist",
+        (r"no_such\.yaml", "does not exist"),
+        r"check the --config path",
     ),
     Case(
         "train.batch_size larger than the training set",
