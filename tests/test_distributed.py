@@ -444,6 +444,7 @@ def test_sigterm_on_one_rank_then_resume_equals_uninterrupted(tmp_path, spawn_ru
     assert spawn_run.ok(), spawn_run.why()
     audit = audit_env(tmp_path / "audit", tmp_path / "work")
     work = tmp_path / "work"
+    work.mkdir()
     stop_at = _steps_per_epoch(_run_dir(spawn_run)) + 2
     stopped = _spawn_run(work, env=_env(GEARS_FAULT_KILL=f"1:step:{stop_at}:TERM", **audit))
     assert stopped.ok(), stopped.why()
