@@ -333,11 +333,13 @@ def cell_eval_scores(
     control_label: str,
     outdir: str | Path,
     threads: int = 1,
+    de_real: str | Path | None = None,
 ) -> dict[str, float]:
     """cell-eval's `vcc` profile (DE overlap, perturbation discrimination, MAE) on predicted vs
     real cells: its per-metric mean over perturbations. Its per-perturbation and aggregate CSVs
-    and DE tables are written to outdir. Both AnnData need the same genes in the same order and
-    the same perturbation labels in obs[pert_col], control included."""
+    and DE tables (real_de.csv, pred_de.csv) are written to outdir; de_real reuses a real_de.csv
+    of the same real cells. Both AnnData need the same genes in the same order and the same
+    perturbation labels in obs[pert_col], control included."""
     require_cell_eval()
     import logging
 
@@ -352,6 +354,7 @@ def cell_eval_scores(
         pert_col=pert_col,
         num_threads=threads,
         outdir=str(outdir),
+        de_real=None if de_real is None else str(de_real),
     )
     _, agg = evaluator.compute(profile=CELL_EVAL_PROFILE, write_csv=True)
     row = agg.filter(agg["statistic"] == "mean").drop("statistic").to_dicts()[0]
@@ -467,6 +470,7 @@ def score_test_set(
     )
     n_real = pd.Series(real_labels[len(ctrl_rows) :]).value_counts()
     scores = {}
+    real_de = {}  # the real side's DE (the slow part) once per set of perturbations scored
     for name, delta in deltas.items():
         covered = ~np.isnan(delta).any(axis=1)
         if not covered.any():
@@ -484,9 +488,11 @@ def score_test_set(
         )
         wanted = {control_label, *(labels[i] for i in keep)}
         real = real_all[real_all.obs[key].astype(str).isin(wanted).values].copy()
+        shared_de = real_de.get(frozenset(wanted))
         scores[name] = cell_eval_scores(
-            pred, real, key, control_label, Path(outdir) / name, threads
+            pred, real, key, control_label, Path(outdir) / name, threads, shared_de
         )
+        real_de.setdefault(frozenset(wanted), Path(outdir) / name / "real_de.csv")
     return scores
 
 
