@@ -8,6 +8,7 @@ import sys
 
 import anndata as ad
 import numpy as np
+import pandas as pd
 import pytest
 import scanpy as sc
 import scipy.sparse as sp
@@ -17,7 +18,7 @@ from vcc_helpers import HAS_CELL_EVAL, NO_CELL_EVAL, ROOT, VCC_PARAMS, write_vcc
 from gears.config import load_config
 from gears.data.conditions import detect_condition_key
 from gears.data.pertdata import PertData
-from gears.data.synthetic import make_vcc_layout, write_gene2go_tsv
+from gears.data.synthetic import make_vcc_layout, write_gene2go_tsv, write_vcc_example
 from gears.distributed import DistEnv
 from gears.errors import GearsInputError
 from gears.predict import require_cell_eval
@@ -167,3 +168,19 @@ def test_generator_writes_go_source_the_loader_reads(tmp_path):
         "vcc", adata, normalize="log1p", write=False
     )
     assert set(p.pert_names) == set(adata.var_names)
+
+
+def test_example_files_hold_out_perturbations_with_their_real_cells(tmp_path):
+    paths = write_vcc_example(tmp_path, **VCC_PARAMS)
+    train = ad.read_h5ad(paths["training"]).obs["target_gene"].astype(str)
+    val = ad.read_h5ad(paths["validation"]).obs["target_gene"].astype(str)
+    held_out = set(val) - {"non-targeting"}
+    assert held_out and not held_out & set(train)
+    assert (train == "non-targeting").sum() + (val == "non-targeting").sum() == VCC_PARAMS[
+        "n_control_cells"
+    ]
+    counts = pd.read_csv(paths["counts"])
+    assert (
+        dict(zip(counts["target_gene"], counts["n_cells"]))
+        == val[val != "non-targeting"].value_counts().to_dict()
+    )

@@ -644,3 +644,37 @@ def write_pert_counts(adata: anndata.AnnData, path: str | Path, perturbations=No
     path = Path(path)
     frame.to_csv(path, index=False)
     return path
+
+
+def write_vcc_example(
+    folder: str | Path, validation_fraction: float = 1 / 3, seed: int = 0, **layout
+) -> dict[str, Path]:
+    """A synthetic stand-in for the challenge's files in `folder`: adata_Training.h5ad (half the
+    control cells and the training perturbations), adata_Validation.h5ad (the other control cells
+    and the held-out perturbations: the real answers), pert_counts_Validation.csv (its cell
+    counts, the challenge's request format) and gene2go.tsv. layout: make_vcc_layout arguments."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    adata, gene2go = make_vcc_layout(seed=seed, **layout)
+    target = adata.obs["target_gene"].astype(str).values
+    perts = np.array(sorted(set(target) - {VCC_CONTROL}))
+    rng = np.random.default_rng(seed + 2)
+    n_val = max(1, int(round(len(perts) * validation_fraction)))
+    held_out = set(rng.choice(perts, size=n_val, replace=False).tolist())
+    is_ctrl = target == VCC_CONTROL
+    ctrl_half = np.zeros(len(target), dtype=bool)
+    ctrl_rows = np.flatnonzero(is_ctrl)
+    ctrl_half[rng.permutation(ctrl_rows)[: len(ctrl_rows) // 2]] = True
+    in_val = np.isin(target, sorted(held_out)) | (is_ctrl & ctrl_half)
+    paths = {
+        "training": folder / "adata_Training.h5ad",
+        "validation": folder / "adata_Validation.h5ad",
+        "counts": folder / "pert_counts_Validation.csv",
+        "gene2go": folder / "gene2go.tsv",
+    }
+    adata[~in_val].copy().write_h5ad(paths["training"])
+    validation = adata[in_val].copy()
+    validation.write_h5ad(paths["validation"])
+    write_pert_counts(validation, paths["counts"])
+    write_gene2go_tsv(gene2go, paths["gene2go"])
+    return paths
