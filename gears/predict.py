@@ -252,9 +252,10 @@ def prediction_adata(
             "control_cell": ctrl_names[source],
             "predicted": np.r_[np.zeros(len(ctrl_idx), bool), np.ones(sum(n_cells), bool)],
         },
-        index=pd.Index(names if len(set(names)) == len(names) else [f"c{i}" for i in range(total)]),
+        index=pd.Index(names),
     )
     out = ad.AnnData(X=X, obs=obs, var=pd.DataFrame(index=controls.var_names.astype(str)))
+    out.obs_names_make_unique()  # more control cells asked than saved: a cell appears twice
     if logvar is not None:
         layer = np.full(X.shape, np.nan, dtype=np.float32)
         rows = np.repeat(np.arange(len(n_cells)), n_cells)
@@ -374,6 +375,7 @@ def real_cells_for_scoring(
     labels re-spelled as the prediction's, genes in the model's order, raw counts normalised as
     in training, both restricted to the perturbations they share (plus control)."""
     from gears.data.conditions import canonicalize_conditions, detect_condition_key
+    from gears.data.pertdata import gene_names_of
 
     path = Path(path)
     if not path.is_file():
@@ -391,16 +393,14 @@ def real_cells_for_scoring(
         raise GearsInputError(f"{path} has no cells of the predicted perturbations in obs[{key!r}]")
     if not (canon[keep] == CTRL).any():
         raise GearsInputError(f"{path} has no control cells ({control_label!r}) in obs[{key!r}]")
-    real = real[keep]
     canon = canon[keep]
-    if "gene_name" in real.var:
-        real.var_names = real.var["gene_name"].astype(str).values
-    missing = [g for g in gene_names if g not in set(real.var_names.astype(str))]
-    if missing:
+    column = pd.Index(gene_names_of(real)).get_indexer(list(gene_names))
+    if (column < 0).any():
+        missing = [g for g, c in zip(gene_names, column) if c < 0]
         raise GearsInputError(
             f"{path} lacks {len(missing)} of the model's genes, e.g. {missing[:10]}"
         )
-    X = real[:, list(gene_names)].X
+    X = real.X[np.flatnonzero(keep)][:, column]
     X = sp.csr_matrix(X, dtype=np.float32) if sp.issparse(X) else np.asarray(X, np.float32)
     values = X.data if sp.issparse(X) else X
     target = info.get("normalize_target_sum")
@@ -413,7 +413,7 @@ def real_cells_for_scoring(
         X = work.X
     obs = pd.DataFrame(
         {pred_key: pd.Categorical([label_of[c] for c in canon])},
-        index=real.obs_names.astype(str),
+        index=real.obs_names.astype(str)[keep],
     )
     real_out = ad.AnnData(X=X, obs=obs, var=pd.DataFrame(index=list(gene_names)))
     shared = set(obs[pred_key].astype(str))
