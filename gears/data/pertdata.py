@@ -14,6 +14,7 @@ import scipy.sparse as sp
 
 from gears.data import de as de_mod
 from gears.data.conditions import (
+    CONDITION_KEY_CANDIDATES,
     CTRL,
     canonicalize_conditions,
     condition_genes,
@@ -193,9 +194,11 @@ class PertData:
         """
         t0 = time.perf_counter()
         chosen = detect_condition_key(adata.obs.columns, condition_key)
-        if condition_key is None and chosen != "condition":
-            self._log(f"perturbation column: obs[{chosen!r}] (set data.condition_key to choose "
-                      "another)")
+        if condition_key is None:
+            others = [c for c in CONDITION_KEY_CANDIDATES if c in adata.obs and c != chosen]
+            self._log(f"perturbation column: obs[{chosen!r}], found by itself"
+                      f"{f' (also present: {others})' if others else ''}; set "
+                      "data.condition_key to choose another")
         condition_key = chosen
         validate_adata(adata, condition_key)
         names = gene_names_of(adata)
@@ -214,7 +217,7 @@ class PertData:
         if not (conditions == CTRL).any():
             raise GearsInputError(
                 f"no control cells: none of obs[{condition_key!r}] is 'ctrl', 'control' or "
-                "'non-targeting' (pass control_names=(...) for other spellings)"
+                "'non-targeting' (data.control_names / control_names=(...) adds other spellings)"
             )
         if (conditions == CTRL).all():
             raise GearsInputError("every cell is a control: the data has no perturbed cells")
