@@ -275,6 +275,25 @@ def prediction_adata(
     return out
 
 
+def data_spelling(
+    conditions: Sequence[str], labels: Sequence[str], spelling: dict[str, str]
+) -> list[str]:
+    """Labels in the training data's own spelling: its name for a condition it holds, the bare
+    symbol for a single when the data writes singles bare (the challenge's 'KLF1'), else the
+    label as asked."""
+    bare = any("+" not in raw for cond, raw in spelling.items() if len(condition_genes(cond)) == 1)
+    out = []
+    for condition, label in zip(conditions, labels):
+        genes = condition_genes(condition)
+        if condition in spelling:
+            out.append(spelling[condition])
+        elif bare and len(genes) == 1:
+            out.append(genes[0])
+        else:
+            out.append(label)
+    return out
+
+
 def _draw(rng: np.random.Generator, pool: int, n: int) -> np.ndarray:
     """n indices into range(pool): a permutation while they last, then with replacement."""
     full, rest = divmod(n, pool)
@@ -301,6 +320,7 @@ def predict_cells(
 
     control_names = [info.get("control_label", CTRL)]
     conditions = resolve_perturbations(labels, model.pert_data.node_map_pert, control_names)
+    labels = data_spelling(conditions, labels, info.get("condition_spelling", {}))
     rows = model._pert_rows([condition_genes(c) for c in conditions])
     delta, logvar = predict_deltas(model.model, rows)
     return prediction_adata(

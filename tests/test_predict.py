@@ -221,3 +221,13 @@ def test_command_line_exit_code_2(vcc_run, tmp_path):
     )
     assert bad.returncode == 2 and bad.stderr.startswith("error:") and "NOT_A_GENE" in bad.stderr
     assert bad.stderr.count("\n") == 1 and not out.exists()
+
+
+def test_labels_follow_the_training_datas_spelling(vcc_run):
+    model, info, controls = load_model(vcc_run["model"])
+    labels, unseen = _perturbations(vcc_run)
+    asked = [f"{labels[0]}+ctrl", f"ctrl+{unseen}"]
+    pred = predict_cells(model, info, controls, asked, [2, 2])
+    # The challenge's file writes singles as bare symbols: so does the prediction.
+    assert set(pred.obs["target_gene"].astype(str)) == {CONTROL, labels[0], unseen}
+    assert list(pred.uns[MEAN_KEY]["perturbations"]) == [labels[0], unseen]
