@@ -176,12 +176,13 @@ class PertData:
         # Reuse DE results stored in the file (ours, or GEARS's keyed by condition_name).
         return self.new_data_process(name, adata, condition_key=condition_key,
                                      control_names=tuple(control_names), normalize=normalize,
-                                     skip_calc_de=True, write=False)
+                                     skip_calc_de=True, write=False, copy_x=False)
 
     def new_data_process(self, dataset_name: str, adata: ad.AnnData, *,
                          condition_key: str | None = None, sep: str = "+",
                          control_names: tuple[str, ...] = (), skip_calc_de: bool = False,
-                         write: bool = True, normalize: str = "none") -> PertData:
+                         write: bool = True, normalize: str = "none",
+                         copy_x: bool = True) -> PertData:
         """Validate, canonicalise condition names, compute DE genes, write the processed h5ad.
 
         Accepts `ctrl`/`control`/`non-targeting`, `A`, `A+ctrl`, `ctrl+A`, `A+B` (separator `sep`).
@@ -189,7 +190,8 @@ class PertData:
         `condition`, `perturbation`, `target_gene`, `gene`, `guide_target` present (printed).
         normalize: `none` (X is already log-normalised) or `log1p` (X holds raw counts: scale
         each cell to the median total count, then log1p, as cell-eval and the Virtual Cell
-        Challenge do; the caller's AnnData is left unchanged).
+        Challenge do; the caller's AnnData is left unchanged unless copy_x=False, which saves a
+        copy of X when the caller hands the AnnData over, as `load` does).
         DE results go to `.uns` under the keys in gears.data.de.DE_KEYS, keyed by condition.
         """
         t0 = time.perf_counter()
@@ -242,7 +244,7 @@ class PertData:
         if not keep.all():
             X, obs = X[keep], obs.iloc[keep]
         # Unfiltered, X may share memory with the caller's adata.X: normalise a copy then.
-        X = self._normalize(X, normalize, copy=bool(keep.all()))
+        X = self._normalize(X, normalize, copy=copy_x and bool(keep.all()))
         if self.normalize_target_sum is not None:
             self.report["normalize"] = {"method": normalize,
                                         "target_sum": self.normalize_target_sum}
