@@ -115,7 +115,8 @@ def load_model(path: str | Path, device: str = "cpu"):
             )
     meta = json.loads((path / CONFIG_FILE).read_text())
     state = ckpt.load(path / MODEL_FILE, map_location="cpu")
-    vocab = SavedVocabulary(meta["gene_names"], meta["pert_names"], state["ctrl_expression"])
+    ctrl = np.asarray(state["ctrl_expression"], dtype=np.float64)  # saved as a tensor
+    vocab = SavedVocabulary(meta["gene_names"], meta["pert_names"], ctrl)
     model = GEARS(vocab, device=device).load_pretrained(path)
     info = json.loads((path / PREDICTION_FILE).read_text())
     controls = ad.read_h5ad(path / CONTROL_CELLS_FILE)

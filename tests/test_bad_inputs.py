@@ -202,7 +202,7 @@ CASES = [
         raw_counts,
         GearsInputError,
         (r"adata\.X", "raw counts"),
-        r"sc\.pp\.normalize_total.*sc\.pp\.log1p",
+        r"data\.normalize=log1p.*sc\.pp\.normalize_total.*sc\.pp\.log1p",
     ),
     Case(
         "negative (scaled) values",
@@ -216,7 +216,7 @@ CASES = [
         missing_condition_column,
         GearsInputError,
         (r"'condition'", "perturbation_label"),
-        r"add it",
+        r"set data\.condition_key",
     ),
     Case(
         "duplicate gene names", duplicate_genes, GearsInputError, ("G00",), r"var_names_make_unique"

@@ -87,7 +87,7 @@ def test_each_cell_is_a_real_control_cell_plus_the_predicted_change(vcc_run, pre
     controls = ad.read_h5ad(vcc_run["model"] / "control_cells.h5ad")
     ctrl_X = _dense(controls.X)
     row_of = {name: i for i, name in enumerate(controls.obs_names)}
-    ctrl_mean = ckpt.load(vcc_run["model"] / "model.pt")["ctrl_expression"]
+    ctrl_mean = np.asarray(ckpt.load(vcc_run["model"] / "model.pt")["ctrl_expression"])
     mean = pred.uns[MEAN_KEY]
     X = _dense(pred.X)
     for p, label in enumerate(labels):

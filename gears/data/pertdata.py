@@ -72,7 +72,6 @@ def validate_adata(adata: ad.AnnData, condition_key: str = "condition") -> None:
             f"adata.X has negative values (min {values.min():.3g}); GEARS expects log-normalised "
             "counts (sc.pp.normalize_total then sc.pp.log1p), not scaled or centred data"
         )
-    check_not_raw_counts(values)
     names = gene_names_of(adata)
     dup = names[names.duplicated()].unique()
     if len(dup):
@@ -94,8 +93,9 @@ def check_not_raw_counts(values: np.ndarray, sample: int = 10_000_000) -> None:
     if head.size and head.max() > RAW_COUNT_MAX and np.array_equal(head, np.round(head)):
         raise GearsInputError(
             f"adata.X looks like raw counts (every value is an integer, max {head.max():.0f}); "
-            "GEARS expects log-normalised expression: run sc.pp.normalize_total(adata) then "
-            "sc.pp.log1p(adata) first (keep raw counts in adata.layers if you need them)"
+            "GEARS expects log-normalised expression: set data.normalize=log1p (PertData: "
+            "normalize='log1p') to normalise them, or run sc.pp.normalize_total(adata) then "
+            "sc.pp.log1p(adata) first"
         )
 
 
@@ -289,6 +289,8 @@ class PertData:
             )
         if (conditions == CTRL).all():
             raise GearsInputError("every cell is a control: the data has no perturbed cells")
+        if normalize != "log1p":  # raw counts would train and score on the wrong scale
+            check_not_raw_counts(_finite_values(adata.X))
         # Perturbation genes are checked against GO before the (slower) DE step.
         self._resolve_perturbations(sorted(set(conditions)), set(names))
         counts = pd.Series(conditions).value_counts()
