@@ -19,3 +19,16 @@ def shared_data() -> Path:
     if not (SHARED_DATA / "perturbench_devel.h5ad").exists():
         pytest.skip(f"real data folder {SHARED_DATA} is absent (set GEARS_SHARED_DATA to use it)")
     return SHARED_DATA
+
+
+@pytest.fixture(autouse=True)
+def _restore_torch_threads():
+    """Each test starts with the session's torch thread count: a test that sets it (the DDP
+    tests pin 1 thread) or that runs scanpy's numba DE (which resets the OpenMP pool) would
+    otherwise change the float summation order of every later test."""
+    import torch
+
+    before = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != before:
+        torch.set_num_threads(before)

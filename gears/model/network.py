@@ -218,7 +218,8 @@ def gcn_normalised_csr(
     with warnings.catch_warnings():  # the CSR layout is labelled "beta"; its mm is stable
         warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
         csr = adj.coalesce().to_sparse_csr()
-    return csr.crow_indices(), csr.col_indices(), csr.values()
+    # Clones, not views of the CSR tensor: a buffer viewing a sparse base cannot be traced.
+    return csr.crow_indices().clone(), csr.col_indices().clone(), csr.values().clone()
 
 
 class FixedGraphConv(nn.Module):
@@ -375,7 +376,15 @@ class GEARSNet(nn.Module):
         per_row = counts if torch.is_tensor(counts) and counts.dim() == 1 else None
         m = 1.0 if counts is None or per_row is not None else counts
         n_cells = per_row.sum() if per_row is not None else U * m
-        base, pert_all = self.gene_embeddings(n_cells)
+        # Gene- and perturbation-level work runs in fp32 even under autocast: it is computed
+        # once and broadcast to every cell, so its rounding errors are shared by the whole batch
+        # instead of averaging out (bf16 training then drifts with the CPU's kernels and thread
+        # count); it costs G*H, 1/U of the cell-gene part. Only the [U*G, H] part runs in half.
+        device = pert_index.device.type
+        with torch.autocast(device, enabled=False):
+            base, pert_all = self.gene_embeddings(n_cells)
+        if torch.is_autocast_enabled(device):
+            base = base.to(torch.get_autocast_dtype(device))
 
         # Fuse each row's perturbation embeddings by gather + masked sum (no loop over cells).
         valid = pert_index >= 0
