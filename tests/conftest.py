@@ -32,3 +32,11 @@ def _restore_torch_threads():
     yield
     if torch.get_num_threads() != before:
         torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def vcc_run(tmp_path_factory) -> dict:
+    """A tiny model trained on a synthetic VCC-layout file (tests/vcc_helpers.py)."""
+    from vcc_helpers import train_vcc_run
+
+    return train_vcc_run(tmp_path_factory.mktemp("vcc_run"))
