@@ -16,13 +16,13 @@ import pandas as pd
 import pytest
 import scipy.sparse as sp
 import torch
+from helpers import tiny_gene2go, tiny_screen, write_gene2go
 
 from gears.data import de, store, stream
 from gears.data.conditions import CTRL, canonicalize_conditions
-from gears.data.loaders import EpochBatch, ExpressionMatrix
+from gears.data.loaders import EpochBatch
 from gears.data.pertdata import PertData
 from gears.errors import GearsInputError
-from helpers import tiny_gene2go, tiny_screen, write_gene2go
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -246,7 +246,8 @@ def test_npy_appender_round_trip(tmp_path):
     for b in blocks:
         out.append(b)
     out.close()
-    np.testing.assert_array_equal(np.load(tmp_path / "a.npy", mmap_mode="r"), np.concatenate(blocks))
+    stored = np.load(tmp_path / "a.npy", mmap_mode="r")
+    np.testing.assert_array_equal(stored, np.concatenate(blocks))
 
 
 @pytest.mark.slow
