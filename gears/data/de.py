@@ -7,7 +7,6 @@ import warnings
 import anndata as ad
 import numpy as np
 import pandas as pd
-import scanpy as sc
 import scipy.sparse as sp
 
 from gears.data.conditions import CTRL
@@ -49,6 +48,8 @@ def compute_de(adata: ad.AnnData, n_top: int = 20) -> dict[str, dict[str, np.nda
     Uses scanpy's t-test with `rankby_abs=True` (as GEARS). Expects canonical `obs['condition']`
     and log-normalised X. Returns the `.uns` entries named in DE_KEYS (the caller stores them).
     """
+    import scanpy as sc  # here, not at import: the streamed path never needs it
+
     conditions = np.asarray(adata.obs["condition"].astype(str))
     groups = sorted(set(conditions) - {CTRL})
     var_names = np.asarray(adata.var_names)
