@@ -27,8 +27,9 @@ from gears.errors import GearsInputError
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def random_screen(n_cells: int = 1500, n_genes: int = 120, n_conditions: int = 12,
-                  seed: int = 0) -> ad.AnnData:
+def random_screen(
+    n_cells: int = 1500, n_genes: int = 120, n_conditions: int = 12, seed: int = 0
+) -> ad.AnnData:
     """Sparse log-normalised-looking counts with all-zero and control-only genes (tie cases)."""
     rng = np.random.default_rng(seed)
     genes = [f"G{i:03d}" for i in range(n_genes)]
@@ -52,10 +53,12 @@ def streamed_de(adata: ad.AnnData, chunk_cells: int = 97) -> tuple[dict, dict]:
     reference = de.compute_de(adata)
     conditions = [CTRL, *sorted(set(adata.obs["condition"]) - {CTRL})]
     codes = pd.Index(conditions).get_indexer(adata.obs["condition"])
-    stats = stream.stream_condition_stats(adata.X, adata.n_obs, codes, len(conditions),
-                                          adata.n_vars, chunk_cells)
-    streamed = de.de_from_stats(conditions, stats.sums, stats.sumsq, stats.counts,
-                                np.asarray(adata.var_names))
+    stats = stream.stream_condition_stats(
+        adata.X, adata.n_obs, codes, len(conditions), adata.n_vars, chunk_cells
+    )
+    streamed = de.de_from_stats(
+        conditions, stats.sums, stats.sumsq, stats.counts, np.asarray(adata.var_names)
+    )
     return reference, streamed
 
 
@@ -63,8 +66,9 @@ def assert_same_de(reference: dict, streamed: dict) -> None:
     assert set(reference[de.RANK_KEY]) == set(streamed[de.RANK_KEY])
     for key in de.DE_KEYS:
         for cond, ref in reference[key].items():
-            np.testing.assert_array_equal(np.asarray(streamed[key][cond]), np.asarray(ref),
-                                          err_msg=f"{key} of {cond}")
+            np.testing.assert_array_equal(
+                np.asarray(streamed[key][cond]), np.asarray(ref), err_msg=f"{key} of {cond}"
+            )
 
 
 @pytest.mark.parametrize("sparse", [False, True])
@@ -106,8 +110,7 @@ def test_welch_scores_match_scipy():
     a, b = rng.random((30, 5)), rng.random((11, 5)) + 0.2
     sums = np.stack([a.sum(0), b.sum(0)])
     sumsq = np.stack([(a.astype(np.float32) ** 2).sum(0), (b.astype(np.float32) ** 2).sum(0)])
-    scores = de.welch_scores(sums.astype(np.float64), sumsq.astype(np.float64),
-                             np.array([30, 11]))
+    scores = de.welch_scores(sums.astype(np.float64), sumsq.astype(np.float64), np.array([30, 11]))
     expected = scipy_stats.ttest_ind(b, a, equal_var=False).statistic
     np.testing.assert_allclose(scores[1], expected, rtol=1e-5)
     assert np.all(scores[0] == 0)
@@ -134,8 +137,14 @@ def screen_file(tmp_path) -> tuple[Path, Path]:
 
 
 def load(tmp_path, path, go, mode, **kwargs) -> PertData:
-    return PertData(tmp_path / "data", gene2go=go, store=mode, verbose=False,
-                    chunk_cells=kwargs.pop("chunk_cells", 101), **kwargs).load(data_path=path)
+    return PertData(
+        tmp_path / "data",
+        gene2go=go,
+        store=mode,
+        verbose=False,
+        chunk_cells=kwargs.pop("chunk_cells", 101),
+        **kwargs,
+    ).load(data_path=path)
 
 
 @pytest.mark.parametrize("layout", ["dense", "csr"])
@@ -148,8 +157,14 @@ def test_backed_processing_equals_in_memory(tmp_path, screen_file, monkeypatch, 
     assert backed.store is not None and backed.store.meta["layout"] == layout
     assert memory.store is None
     assert backed.conditions == memory.conditions
-    for name in ("cell_condition", "cond_pert_index", "de_ranked_idx", "de_idx",
-                 "non_dropout_de_idx", "non_zero_mask"):
+    for name in (
+        "cell_condition",
+        "cond_pert_index",
+        "de_ranked_idx",
+        "de_idx",
+        "non_dropout_de_idx",
+        "non_zero_mask",
+    ):
         np.testing.assert_array_equal(getattr(backed, name), getattr(memory, name), err_msg=name)
     np.testing.assert_allclose(backed.condition_means(), memory.condition_means(), atol=1e-6)
     np.testing.assert_allclose(backed.ctrl_mean, memory.ctrl_mean, atol=1e-6)
@@ -194,12 +209,14 @@ def test_store_reused_then_rebuilt_on_changes(tmp_path, screen_file):
     assert again.store.path == first.store.path
     # A processing parameter: a subset of the cells.
     PertData(tmp_path / "data", gene2go=go, store="mmap", verbose=False).load(
-        data_path=path, subset={"condition": ["control", "G001", "G002"]})
+        data_path=path, subset={"condition": ["control", "G001", "G002"]}
+    )
     assert len(store_dirs(tmp_path)) == 2
     # Another GO source (decides which conditions are kept).
-    go2 = write_gene2go(tmp_path / "go2.tsv",
-                        {g: t for g, t in tiny_gene2go([f"G{i:03d}" for i in range(60)]).items()
-                         if g != "G003"})
+    go2 = write_gene2go(
+        tmp_path / "go2.tsv",
+        {g: t for g, t in tiny_gene2go([f"G{i:03d}" for i in range(60)]).items() if g != "G003"},
+    )
     dropped = load(tmp_path, path, go2, "mmap")
     assert len(store_dirs(tmp_path)) == 3
     assert "G003+ctrl" not in dropped.conditions and "G003+ctrl" in first.conditions
@@ -209,8 +226,9 @@ def test_store_reused_then_rebuilt_on_changes(tmp_path, screen_file):
     adata.write_h5ad(path)
     changed = load(tmp_path, path, go, "mmap")
     assert len(store_dirs(tmp_path)) == 4
-    np.testing.assert_allclose(changed.condition_means(), 0.5 * first.condition_means(),
-                               rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(
+        changed.condition_means(), 0.5 * first.condition_means(), rtol=1e-6, atol=1e-7
+    )
 
 
 def test_failed_build_leaves_no_store(tmp_path, screen_file, monkeypatch):
@@ -228,9 +246,15 @@ def test_failed_build_leaves_no_store(tmp_path, screen_file, monkeypatch):
     assert load(tmp_path, path, go, "mmap").store is not None
 
 
-def test_store_mode_auto_and_errors(tmp_path, screen_file):
+def test_store_mode_auto_and_errors(tmp_path, screen_file, monkeypatch):
+    from gears.data import pertdata
+
     path, go = screen_file
     assert load(tmp_path, path, go, "auto").store is None  # small file: scanpy in memory
+    # A dense matrix above the limit goes out of core even when the (sparse) file is small.
+    monkeypatch.setattr(pertdata, "AUTO_STORE_BYTES", 900 * 60 * 4 - 1)
+    assert path.stat().st_size < pertdata.AUTO_STORE_BYTES
+    assert load(tmp_path, path, go, "auto").store is not None
     with pytest.raises(GearsInputError, match="data.store"):
         PertData(tmp_path, store="disk")
     adata = ad.read_h5ad(path)
@@ -313,9 +337,14 @@ def test_two_ranks_share_one_copy_of_the_store(tmp_path):
     ranks, reports = [], []
     try:
         for _ in range(2):  # the second starts once the first has read every row
-            proc = subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(path)], cwd=ROOT,
-                                    env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                    text=True)
+            proc = subprocess.Popen(
+                [sys.executable, "-c", RANK_SCRIPT, str(path)],
+                cwd=ROOT,
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
             ranks.append(proc)
             reports.append(proc.stdout.readline().split())
         time.sleep(0.2)

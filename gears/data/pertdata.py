@@ -21,8 +21,9 @@ PROCESSED_NAME = "perturb_processed.h5ad"
 N_DE = 20  # GEARS's "top-20 DE genes"
 N_DE_RANKED = 200  # longest DE list the metrics use (top-200 variants)
 STORE_MODES = ("auto", "memory", "mmap")
-# data.store=auto: .h5ad files larger than this are processed out of core into a memory-mapped
-# store; smaller ones are read whole and processed by scanpy (the reference path).
+# data.store=auto: an .h5ad whose file or dense float32 matrix is larger than this is processed
+# out of core into a memory-mapped store; smaller ones are read whole and processed by scanpy
+# (the reference path).
 AUTO_STORE_BYTES = 1024**3
 
 
@@ -499,10 +500,21 @@ class PertData:
 
     # ------------------------------------------------------------------- out-of-core and store
     def _wants_store(self, path: Path) -> bool:
-        """data.store: mmap always, memory never, auto for .h5ad files above AUTO_STORE_BYTES."""
-        if self.store_mode == "auto":
-            return path.stat().st_size > AUTO_STORE_BYTES
-        return self.store_mode == "mmap"
+        """data.store: mmap always, memory never, auto when the file or its dense matrix is
+        larger than AUTO_STORE_BYTES."""
+        if self.store_mode != "auto":
+            return self.store_mode == "mmap"
+        if path.stat().st_size > AUTO_STORE_BYTES:
+            return True
+        import h5py
+
+        try:
+            with h5py.File(path, "r") as f:
+                shape = tuple(f["X"].attrs["shape"]) if isinstance(f["X"], h5py.Group) \
+                    else f["X"].shape
+        except (OSError, KeyError):
+            return False  # not an h5ad we can inspect: the in-memory reader reports the problem
+        return int(np.prod(shape)) * 4 > AUTO_STORE_BYTES
 
     def _store_root(self, dataset_name: str) -> Path:
         if self.store_dir is not None:
