@@ -364,3 +364,14 @@ def test_two_ranks_share_one_copy_of_the_store(tmp_path):
         assert s["Rss"] > matrix_kb * 0.9, smaps
         assert abs(s["Pss"] - matrix_kb / 2) < matrix_kb * 0.1, smaps
         assert s["Private_Clean"] + s["Private_Dirty"] < matrix_kb * 0.05, smaps
+
+
+def test_expression_stays_on_the_host_for_cpu_and_csr():
+    from gears.data.loaders import ExpressionMatrix
+
+    X = np.arange(12, dtype=np.float32).reshape(4, 3)
+    dense, csr = ExpressionMatrix(X), ExpressionMatrix.shared(sp.csr_matrix(X))
+    assert not dense.to_device(torch.device("cpu")) and not csr.to_device("cuda")
+    assert dense.dense.device.type == "cpu"
+    for expr in (dense, csr):
+        np.testing.assert_array_equal(expr.rows(np.array([2, 0])).numpy(), X[[2, 0]])
