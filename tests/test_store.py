@@ -375,3 +375,19 @@ def test_expression_stays_on_the_host_for_cpu_and_csr():
     assert dense.dense.device.type == "cpu"
     for expr in (dense, csr):
         np.testing.assert_array_equal(expr.rows(np.array([2, 0])).numpy(), X[[2, 0]])
+
+
+def test_backed_detects_the_condition_column_and_refuses_counts(tmp_path, screen_file):
+    path, go = screen_file
+    adata = ad.read_h5ad(path)
+    adata.obs = adata.obs.rename(columns={"condition": "perturbation"})
+    adata.write_h5ad(tmp_path / "renamed.h5ad")
+    memory = load(tmp_path, path, go, "memory")
+    backed = load(tmp_path, tmp_path / "renamed.h5ad", go, "mmap")
+    assert backed.condition_key == "perturbation" and backed.store is not None
+    assert backed.conditions == memory.conditions
+    assert backed.condition_spelling["ctrl"] == "control"
+    with pytest.raises(GearsInputError, match="data.store=memory"):
+        PertData(tmp_path / "data", gene2go=go, store="mmap", verbose=False).load(
+            data_path=path, normalize="log1p"
+        )
