@@ -57,6 +57,9 @@ def load_pert_data(cfg: Config, env: DistEnv):
             gene_aliases=cfg.data.gene_aliases,
             keep_unmapped_perts=cfg.data.keep_unmapped_perts,
             verbose=env.is_main,
+            store=cfg.data.store,
+            store_dir=cfg.data.store_dir,
+            chunk_cells=cfg.data.chunk_cells,
         )
         if cfg.data.dataset == "synthetic":
             pd_.load("synthetic", synthetic_params=cfg.data.synthetic)
