@@ -35,12 +35,15 @@ def test_tune_allocator_stops_page_faults_on_repeated_large_tensors():
         import resource, torch
         from gears.runtime import tune_allocator
 
-        def faults_per_step(steps=4):
+        def faults_per_step(steps=7):
+            # The median step: robust to a stray fault burst on a shared machine.
             torch.empty(16 << 20).fill_(1.0)  # 64 MB, warm-up
-            start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            faults = []
             for _ in range(steps):
+                start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 torch.empty(16 << 20).fill_(1.0)
-            return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start) / steps
+                faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start)
+            return sorted(faults)[steps // 2]
 
         default = faults_per_step()
         assert tune_allocator()
