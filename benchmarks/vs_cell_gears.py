@@ -334,7 +334,7 @@ def run_tool(tool: str, folder: Path, seed: int, args, cg_python: Path | None) -
         cwd = ROOT
     else:
         cwd = folder / f"cell_gears_seed{seed}"
-        cwd.mkdir(exist_ok=True)
+        (cwd / "data").mkdir(parents=True, exist_ok=True)  # its make_GO writes ./data/go_*.csv
         (cwd / "gene2go_all.pkl").write_bytes((folder / "gene2go_all.pkl").read_bytes())
         script = CELL_GEARS_WORKER.format(
             folder=str(folder), seed=seed, epochs=args.epochs, threads=args.threads
