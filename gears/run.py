@@ -14,6 +14,7 @@ import numpy as np
 from gears.config import Config, load_config
 from gears.distributed import DistEnv, barrier
 from gears.errors import GearsInputError
+from gears.runtime import set_threads, tune_allocator
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = ROOT / "configs" / "default.yaml"
@@ -196,6 +197,8 @@ def run(cfg: Config, env: DistEnv) -> dict | None:
         (out / "plots").mkdir(parents=True, exist_ok=True)
         cfg.save(out / "config.yaml")
     pert_data = load_pert_data(cfg, env)
+    set_threads(cfg.train.threads)  # after the data: scanpy's numba DE resets torch's pool
+    tune_allocator()  # glibc keeps freed activations: no per-step page faults
     wandb_run = init_wandb(cfg, env)
     model = GEARS(pert_data, env=env, wandb_run=wandb_run, out_dir=out, seed=cfg.seed)
     seed_everything(cfg.seed)  # the same initial weights on every rank, whatever ran before
