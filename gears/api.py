@@ -139,9 +139,12 @@ class GEARS:
         dist_cfg: DistributedConfig | None = None,
         resume: bool = False,
         progress: bool = True,
+        control_mean: str = "all",
         **train_kwargs,
     ):
-        """Train with the shared engine; keeps the best-validation weights (GEARS's best_model)."""
+        """Train with the shared engine; keeps the model chosen by train_cfg.select (the final one
+        by default; `val_mse_de` is GEARS's best_model). control_mean: how validation forms
+        predicted means (evaluate.CONTROL_MEANS)."""
         if self.model is None:
             raise GearsInputError("call model_initialize() before train()")
         cfg = train_cfg or TrainConfig(
@@ -173,6 +176,7 @@ class GEARS:
             dist_cfg=dist_cfg,
             wandb_run=self.wandb,
             seed=self.seed,
+            control_mean=control_mean,
         )
         if resume or cfg.resume:
             self.trainer.resume()
@@ -243,8 +247,10 @@ class GEARS:
         pred = pred[0] if isinstance(pred, tuple) else pred
         return plot_perturbation(self.pert_data, cond, next(iter(pred.values())), save_file)
 
-    def evaluate(self, set_name: str = "test") -> dict:
-        return Evaluator(self.pert_data, self.env, self.model).full(set_name)
+    def evaluate(self, set_name: str = "test", control_mean: str = "all") -> dict:
+        return Evaluator(self.pert_data, self.env, self.model, control_mean=control_mean).full(
+            set_name
+        )
 
     # ---------------------------------------------------------------------------- save / load
     def save_model(self, path: str | Path) -> None:

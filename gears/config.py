@@ -71,13 +71,13 @@ class ModelConfig:
 
 @dataclass
 class TrainConfig:
-    epochs: int = 20
+    epochs: int = 10
     batch_size: int = 32
     test_batch_size: int = 128
     lr: float = 1e-3
     weight_decay: float = 5e-4
     optimizer: str = "adam"  # adam (GEARS) | adamw | sgd
-    schedule: str = "step"  # step (GEARS: x0.5 each epoch) | cosine | constant
+    schedule: str = "cosine"  # cosine (to 0 over the epochs) | step (GEARS: x0.5/epoch) | constant
     step_gamma: float = 0.5
     grad_clip: float = 1.0  # gradient value clip, as GEARS; 0 disables
     grad_accum_steps: int = 1
@@ -95,6 +95,9 @@ class TrainConfig:
     plot_conditions: int = 4
     compile: bool = False  # torch.compile the network (distinct-perturbation rows bucketed)
     threads: int = 0  # torch/numba CPU threads after the data is built; 0 = leave as is
+    # Which epoch's weights the run keeps: last (the final model), val_mse (lowest validation mse
+    # over all genes) or val_mse_de (lowest validation mse on the top-20 DE genes, GEARS's rule).
+    select: str = "last"
 
 
 @dataclass
@@ -150,6 +153,7 @@ CHOICES = {
     "train.schedule": ("step", "cosine", "constant"),
     "train.precision": ("fp32", "bf16", "fp16"),
     "train.optimizer": ("adam", "adamw", "sgd"),
+    "train.select": ("last", "val_mse", "val_mse_de"),
     "train.batching": ("random", "grouped", "block"),
     "distributed.backend": ("auto", "nccl", "gloo"),
     "wandb.mode": ("disabled", "offline", "online"),

@@ -90,6 +90,23 @@ def make_scheduler(opt: torch.optim.Optimizer, cfg: TrainConfig):
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
 
 
+SELECTION_RULES = ("last", "val_mse", "val_mse_de")
+
+
+def selection_score(rule: str, val: dict, loss: float, epoch: int) -> float:
+    """Lower is better: the number Trainer.fit compares across epochs to keep a model.
+
+    last: the final model (each epoch beats the previous one); val_mse: mean squared error over
+    all genes of the validation perturbations; val_mse_de: over their top-20 DE genes (GEARS).
+    The validation rules fall back to the training loss when there is no validation set.
+    """
+    if rule == "last":
+        return -float(epoch)
+    if rule not in SELECTION_RULES:
+        raise GearsInputError(f"unknown train.select {rule!r}: {SELECTION_RULES}")
+    return val.get(rule.removeprefix("val_"), loss)
+
+
 def rng_state() -> dict:
     """Every generator's state as tensors and plain values (loadable with weights_only=True)."""
     name, keys, pos, has_gauss, cached = np.random.get_state()
@@ -149,6 +166,7 @@ class Trainer:
         dist_cfg: DistributedConfig | None = None,
         wandb_run=None,
         seed: int = 1,
+        control_mean: str = "all",
     ):
         self.cfg, self.model_cfg, self.env = train_cfg, model_cfg, env
         self.pert_data = pert_data
@@ -179,7 +197,7 @@ class Trainer:
         self.ctrl_mean = torch.as_tensor(
             pert_data.ctrl_mean, dtype=torch.float32, device=self.device
         )
-        self.evaluator = Evaluator(pert_data, env, self.net)
+        self.evaluator = Evaluator(pert_data, env, self.net, control_mean=control_mean)
         self.history = History()
         self.epoch = 0  # epochs completed
         self.step = 0  # optimizer steps taken
@@ -438,7 +456,7 @@ class Trainer:
             self.history.val.append(val)
             self.history.epoch_s.append(time.perf_counter() - t0)
             self.history.cells_per_s.append(cells / max(train_s, 1e-9))
-            metric = val.get("mse_de", loss)
+            metric = selection_score(self.cfg.select, val, loss, epoch)
             # Rank 0 decides (all ranks hold the same gathered metric) and broadcasts.
             decision = None
             if self.env.is_main:

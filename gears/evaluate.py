@@ -8,9 +8,15 @@ import torch
 
 from gears.data.conditions import CTRL
 from gears.distributed import DistEnv, all_gather_objects
+from gears.errors import GearsInputError
 
 EVAL_CHUNK = 64  # conditions per forward; fixed so results do not depend on the world size
 EVAL_PAIRING_EPOCH = 0  # evaluation pairs each cell with the control drawn for epoch 0
+# How a perturbation's predicted mean is formed from the network's predicted change:
+# all = change + mean of all control cells (exact: x enters the network only as a residual);
+# paired = change + mean of the control cells paired with its cells (GEARS's protocol, which
+# adds the sampling noise of ~50 random control cells to every prediction).
+CONTROL_MEANS = ("all", "paired")
 
 
 @torch.no_grad()
@@ -58,10 +64,21 @@ def segment_mean(X, codes: np.ndarray, rows: np.ndarray, n_groups: int) -> np.nd
 class Evaluator:
     """Scores a model on a split set with every cell's truth, caching the data-only parts."""
 
-    def __init__(self, pert_data, env: DistEnv | None = None, net: torch.nn.Module | None = None):
+    def __init__(
+        self,
+        pert_data,
+        env: DistEnv | None = None,
+        net: torch.nn.Module | None = None,
+        control_mean: str = "all",
+    ):
+        if control_mean not in CONTROL_MEANS:
+            raise GearsInputError(
+                f"eval.control_mean must be one of {CONTROL_MEANS}, got {control_mean!r}"
+            )
         self.pd = pert_data
         self.env = env or DistEnv()
         self.net = net
+        self.control_mean = control_mean
         self._cache: dict = {}
 
     def set_view(self, set_name: str) -> dict:
@@ -90,13 +107,21 @@ class Evaluator:
         self._cache[set_name] = view
         return view
 
+    def control_means(self, set_name: str) -> np.ndarray:
+        """The control profile each condition's predicted change is added to -> [C, G]."""
+        view = self.set_view(set_name)
+        if self.control_mean == "paired":
+            return view["pair_mean"]
+        return np.broadcast_to(np.asarray(self.pd.ctrl_mean, np.float64), view["pair_mean"].shape)
+
     def predict_means(self, set_name: str, net: torch.nn.Module | None = None) -> np.ndarray:
-        """Mean predicted profile per condition = response + mean of the paired controls."""
+        """Mean predicted profile per condition [C, G] = response + control mean (see
+        CONTROL_MEANS: all control cells by default, or the cells paired with its cells)."""
         view = self.set_view(set_name)
         delta, _ = predict_deltas(
             net or self.net, self.pd.cond_pert_index[view["cond_ids"]], self.env
         )
-        return delta + view["pair_mean"]
+        return delta + self.control_means(set_name)
 
     def quick(self, set_name: str, net: torch.nn.Module | None = None) -> dict[str, float]:
         """The per-epoch validation metrics: mse, mse_de, pearson, pearson_delta (means)."""

@@ -144,6 +144,41 @@ def print_table(results: dict) -> None:
             f"pearson_delta {sub.get('pearson_delta', float('nan')):.4f} "
             f"({sub.get('n_conditions', 0)} perturbations)"
         )
+    fit = results.get("train_fit")
+    if fit:
+        fits = {"gears": fit, **results.get("train_fit_baselines", {})}
+        print(
+            f"train fit ({fit.get('n_conditions', 0)} training perturbations, the kept model): "
+            + "; ".join(
+                f"{k} mse_de {v.get('mse_de') or float('nan'):.4f} pearson_delta "
+                f"{v.get('pearson_delta') or float('nan'):.4f}"
+                for k, v in fits.items()
+                if k in ("gears", "train_mean", "no_change")
+            )
+        )
+
+
+def train_fit(evaluator, pert_data, pred_mean: np.ndarray) -> dict:
+    """GEARS's metrics on the training perturbations (how well the kept model fits what it was
+    trained on) beside the baselines on the same perturbations; rank 0 only.
+
+    pred_mean: [C, G] the model's mean predictions for evaluator.set_view("train")["conditions"].
+    Returns {"train_fit": {metric: value}, "train_fit_baselines": {baseline: {metric: value}}}.
+    The baselines see these perturbations' own means (train_mean averages them, additive sums
+    their singles), so this is a fit comparison, not a generalisation one.
+    """
+    from gears.baselines import baseline_predictions
+
+    conditions = evaluator.set_view("train")["conditions"]
+    fit = evaluator.full("train", pred_mean=pred_mean)["summary"]["overall"]
+    train_means = dict(zip(conditions, pert_data.condition_means(conditions)))
+    baselines = {}
+    for name, bpred in baseline_predictions(
+        train_means, pert_data.ctrl_mean, conditions, list(pert_data.gene_names)
+    ).items():
+        if not np.isnan(bpred).all():
+            baselines[name] = evaluator.full("train", pred_mean=bpred)["summary"]["overall"]
+    return {"train_fit": fit, "train_fit_baselines": baselines}
 
 
 def run(cfg: Config, env: DistEnv) -> dict | None:
@@ -172,13 +207,17 @@ def run(cfg: Config, env: DistEnv) -> dict | None:
     seed_everything(cfg.seed)  # the same initial weights on every rank, whatever ran before
     model.model_initialize(**model_kwargs(cfg.model, cfg.data))
     t_train = time.perf_counter()
-    history = model.train(train_cfg=cfg.train, dist_cfg=cfg.distributed)
+    history = model.train(
+        train_cfg=cfg.train, dist_cfg=cfg.distributed, control_mean=cfg.eval.control_mean
+    )
     train_s = time.perf_counter() - t_train
 
     t_eval = time.perf_counter()
-    evaluator = Evaluator(pert_data, env, model.model)
+    evaluator = Evaluator(pert_data, env, model.model, control_mean=cfg.eval.control_mean)
     has_test = bool([c for c in pert_data.set2conditions.get("test", []) if c != "ctrl"])
     pred = evaluator.predict_means("test") if has_test else None  # every rank takes part
+    has_train = bool([c for c in pert_data.set2conditions.get("train", []) if c != "ctrl"])
+    train_pred = evaluator.predict_means("train") if has_train else None
     results = None
     if env.is_main:
         results = {
@@ -189,6 +228,8 @@ def run(cfg: Config, env: DistEnv) -> dict | None:
             * env.world_size
             * cfg.train.grad_accum_steps,
             "best_epoch": model.trainer.best_epoch + 1,
+            "select": cfg.train.select,
+            "control_mean": cfg.eval.control_mean,
             "val_best": history.val[model.trainer.best_epoch] if history.val else {},
             "test": {},
             "subgroups": {},
@@ -215,6 +256,8 @@ def run(cfg: Config, env: DistEnv) -> dict | None:
                 results["cell_eval"] = cell_eval_test_scores(
                     cfg, pert_data, model, view["conditions"], baseline_means, out
                 )
+        if has_train:
+            results.update(train_fit(evaluator, pert_data, train_pred))
         eval_s = time.perf_counter() - t_eval
         epochs_run = max(len(history.epoch_s), 1)
         results["timing"] = {

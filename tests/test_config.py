@@ -11,8 +11,14 @@ from gears.run import DEFAULT_CONFIG
 
 def test_defaults_match_gears():
     cfg = load_config(None, [], base=DEFAULT_CONFIG)
-    assert (cfg.model.hidden_size, cfg.train.batch_size, cfg.train.epochs) == (64, 32, 20)
-    assert (cfg.train.lr, cfg.train.weight_decay, cfg.train.schedule) == (1e-3, 5e-4, "step")
+    assert (cfg.model.hidden_size, cfg.train.batch_size) == (64, 32)
+    assert (cfg.train.lr, cfg.train.weight_decay) == (1e-3, 5e-4)
+    # The project's default schedule and model selection (README "Model selection"); GEARS's
+    # own recipe is configs/gears_paper.yaml.
+    assert (cfg.train.epochs, cfg.train.schedule, cfg.train.select) == (10, "cosine", "last")
+    paper = load_config(DEFAULT_CONFIG.parent / "gears_paper.yaml", [], base=DEFAULT_CONFIG)
+    assert (paper.train.epochs, paper.train.schedule, paper.train.step_gamma) == (20, "step", 0.5)
+    assert (paper.train.select, paper.eval.control_mean) == ("val_mse_de", "paired")
     assert (cfg.data.go_top_k, cfg.data.go_threshold, cfg.data.coexpress_threshold) == (
         20,
         0.1,
