@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -12,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from gears.config import Config, load_config
-from gears.distributed import DistEnv, barrier
+from gears.distributed import DistEnv, build_in_stages, release
 from gears.errors import GearsInputError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,37 +46,65 @@ def config_from_args(args) -> Config:
     return load_config(args.config, args.overrides, base=base)
 
 
-def load_pert_data(cfg: Config, env: DistEnv):
-    """Rank 0 loads first (downloads, writes caches); the other ranks then read the same files."""
+def build_pert_data(cfg: Config, verbose: bool = True):
+    """Load cfg's dataset and make its split: downloads and processes on first use, reads the
+    caches afterwards."""
     from gears.data.pertdata import PertData
 
-    def build():
-        pd_ = PertData(
-            cfg.data.data_dir,
-            gene2go=cfg.data.gene2go,
-            gene_aliases=cfg.data.gene_aliases,
-            keep_unmapped_perts=cfg.data.keep_unmapped_perts,
-            verbose=env.is_main,
-        )
-        if cfg.data.dataset == "synthetic":
-            pd_.load("synthetic", synthetic_params=cfg.data.synthetic)
-        else:
-            pd_.load(data_name=cfg.data.dataset, subset=cfg.data.subset or None)
-        s = cfg.split
-        pd_.prepare_split(
-            s.type,
-            seed=s.seed,
-            train_gene_set_size=s.train_gene_set_size,
-            combo_seen2_train_frac=s.combo_seen2_train_frac,
-            combo_single_split_test_set_fraction=s.test_size,
-            split_dict_path=s.split_dict_path,
-            val_size=s.val_size,
-        )
-        return pd_
+    pd_ = PertData(
+        cfg.data.data_dir,
+        gene2go=cfg.data.gene2go,
+        gene_aliases=cfg.data.gene_aliases,
+        keep_unmapped_perts=cfg.data.keep_unmapped_perts,
+        verbose=verbose,
+    )
+    if cfg.data.dataset == "synthetic":
+        pd_.load("synthetic", synthetic_params=cfg.data.synthetic)
+    else:
+        pd_.load(data_name=cfg.data.dataset, subset=cfg.data.subset or None)
+    s = cfg.split
+    pd_.prepare_split(
+        s.type,
+        seed=s.seed,
+        train_gene_set_size=s.train_gene_set_size,
+        combo_seen2_train_frac=s.combo_seen2_train_frac,
+        combo_single_split_test_set_fraction=s.test_size,
+        split_dict_path=s.split_dict_path,
+        val_size=s.val_size,
+    )
+    return pd_
 
-    pert_data = build() if env.is_main else None
-    barrier(env)
-    return pert_data if env.is_main else build()
+
+def injected_delay(stage: str, rank: int) -> None:
+    """Test hook: GEARS_TEST_SLOW_RANK0=data:10,scoring:10 makes rank 0's data step or scoring
+    that many seconds slower (tests that no other rank waits for them in a collective)."""
+    spec = os.environ.get("GEARS_TEST_SLOW_RANK0")
+    if rank != 0 or not spec:
+        return
+    delays = dict(item.split(":") for item in spec.split(","))
+    if stage in delays:
+        time.sleep(float(delays[stage]))
+
+
+def load_pert_data(cfg: Config, env: DistEnv):
+    """Every rank's PertData; rank 0 first (downloads, writes caches), then the others read them.
+
+    With a process group already joined (a caller's own torchrun script), the ranks wait on the
+    group's store with distributed.data_wait_s, not in a collective; train_distributed.py
+    prepares the data before the group exists (`build_in_stages` over the rendezvous store)."""
+
+    def build():
+        injected_delay("data", env.rank)
+        return build_pert_data(cfg, verbose=env.is_main)
+
+    if not env.distributed:
+        return build()
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    return build_in_stages(
+        build, store, env.rank, env.local_rank, env.world_size, cfg.distributed.data_wait_s
+    )
 
 
 def init_wandb(cfg: Config, env: DistEnv):
@@ -133,8 +162,13 @@ def print_table(results: dict) -> None:
         )
 
 
-def run(cfg: Config, env: DistEnv) -> dict | None:
-    """Train on cfg's data, evaluate on test with baselines, write the run directory (rank 0)."""
+def run(cfg: Config, env: DistEnv, pert_data=None) -> dict | None:
+    """Train on cfg's data, evaluate on test with baselines, write the run directory (rank 0).
+
+    pert_data: this rank's data when the launcher prepared it before joining the group. After
+    the test predictions are gathered every rank leaves the process group (`release`); the other
+    ranks return None and rank 0 scores, runs baselines, plots and writes with no collective
+    pending, however long that takes."""
     from gears.api import GEARS, model_kwargs
     from gears.baselines import baseline_predictions
     from gears.engine import seed_everything
@@ -147,7 +181,8 @@ def run(cfg: Config, env: DistEnv) -> dict | None:
     if env.is_main:
         (out / "plots").mkdir(parents=True, exist_ok=True)
         cfg.save(out / "config.yaml")
-    pert_data = load_pert_data(cfg, env)
+    if pert_data is None:
+        pert_data = load_pert_data(cfg, env)
     wandb_run = init_wandb(cfg, env)
     model = GEARS(pert_data, env=env, wandb_run=wandb_run, out_dir=out, seed=cfg.seed)
     seed_everything(cfg.seed)  # the same initial weights on every rank, whatever ran before
@@ -160,8 +195,12 @@ def run(cfg: Config, env: DistEnv) -> dict | None:
     evaluator = Evaluator(pert_data, env, model.model)
     has_test = bool([c for c in pert_data.set2conditions.get("test", []) if c != "ctrl"])
     pred = evaluator.predict_means("test") if has_test else None  # every rank takes part
+    model.trainer.unwrap()  # DDP is not needed any more; free it while the group is alive
+    env = release(env)  # the last collective: the other ranks are done
+    model.env = evaluator.env = env
     results = None
     if env.is_main:
+        injected_delay("scoring", env.rank)
         results = {
             "dataset": pert_data.dataset_name,
             "split": cfg.split.type,
@@ -220,7 +259,6 @@ def run(cfg: Config, env: DistEnv) -> dict | None:
         if wandb_run is not None:
             wandb_run.summary.update({f"test/{k}": v for k, v in results["test"].items()})
             wandb_run.finish()
-    barrier(env)
     return results
 
 
