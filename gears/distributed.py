@@ -136,10 +136,12 @@ def resolve_device(
             raise GearsInputError(f"distributed.gpu_ids={ids} must be non-negative GPU indices")
         if len(set(ids)) != len(ids):
             raise GearsInputError(f"distributed.gpu_ids={ids} names a GPU twice")
-        if local_rank >= len(ids) and (spec == "cuda" or device_count > 0):
+        needed = max(local_rank + 1, local_world_size or 0)
+        if needed > len(ids) and (spec == "cuda" or device_count > 0):
             raise GearsInputError(
                 f"{who}: distributed.gpu_ids={ids} has {len(ids)} entries but this node runs "
-                f"at least {local_rank + 1} processes; give one GPU id per process on a node"
+                f"{'at least ' if local_world_size is None else ''}{needed} processes; give one "
+                "GPU id per process on a node"
             )
     if spec == "auto":
         spec = "cuda" if device_count > 0 else "cpu"
@@ -245,7 +247,7 @@ def init_distributed(
             world_size=world_size,
             timeout=timeout,
             # Binds the NCCL communicator to this GPU now (eager init, no barrier warning).
-            device_id=dev if dev.type == "cuda" else None,
+            device_id=dev if dev.type == "cuda" else None,  # GPU-only
         )
     except Exception as e:  # rendezvous failures come in many exception types
         raise RuntimeError(

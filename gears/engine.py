@@ -35,8 +35,9 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
         return None
     if precision == "bf16":
         # Emulated bf16 (V100, T4) is far slower than fp16 there: ask for the native kind.
-        if device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
-            raise GearsInputError("train.precision=bf16 is not supported by this GPU; use fp16")
+        if device.type == "cuda":
+            if not torch.cuda.is_bf16_supported(including_emulation=False):  # GPU-only
+                raise GearsInputError("train.precision=bf16 is not supported by this GPU; use fp16")
         return torch.bfloat16
     if precision == "fp16":
         if device.type != "cuda":
@@ -166,7 +167,7 @@ class Trainer:
             DDP._set_params_and_buffers_to_ignore_for_model(self.net, graph_buffer_names(self.net))
             self.model = DDP(
                 self.net,
-                device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                device_ids=[self.device.index] if self.device.type == "cuda" else None,  # GPU-only
                 find_unused_parameters=dist_cfg.find_unused_parameters,
                 static_graph=dist_cfg.static_graph,
                 gradient_as_bucket_view=dist_cfg.gradient_as_bucket_view,

@@ -49,6 +49,7 @@ def batch_script_note() -> str | None:
 def worker_main(cfg: Config) -> dict | None:
     """One rank: data first (before any process group, see `build_in_stages`), then join the
     group, train, gather predictions, leave the group; rank 0 then scores alone."""
+    from gears.engine import seed_everything
     from gears.run import build_pert_data, injected_delay, run
 
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
@@ -66,6 +67,7 @@ def worker_main(cfg: Config) -> dict | None:
 
         def build():
             injected_delay("data", rank)
+            seed_everything(cfg.seed)  # as run() does before building the data itself
             return build_pert_data(cfg, verbose=rank == 0)
 
         store, rank, world_size = rendezvous_store(d.data_wait_s)

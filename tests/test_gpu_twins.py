@@ -56,6 +56,8 @@ def test_short_or_wrong_gpu_ids_name_rank_local_rank_and_ids():
         resolve_device("cuda", local_rank=1, world_size=8, gpu_ids=[3], device_count=0, rank=5)
     with pytest.raises(GearsInputError, match=r"local_rank 1.*names GPU 7.*only 4 GPU"):
         resolve_device("cuda", local_rank=1, world_size=2, gpu_ids=[0, 7], device_count=4)
+    with pytest.raises(GearsInputError, match=r"gpu_ids=\[0\] has 1 entries but this node runs 2"):
+        resolve_device("cuda", 0, 2, [0], 0, local_world_size=2)
     with pytest.raises(GearsInputError, match="names a GPU twice"):
         resolve_device("cuda", 0, 2, [1, 1], 4)
     with pytest.raises(GearsInputError, match="non-negative"):
@@ -84,7 +86,7 @@ def test_device_of_each_rank():
     "args, names",
     [
         (["device=cuda:0"], ["device=cuda:0", "2 processes"]),
-        (["device=cuda", "distributed.gpu_ids=[0]"], ["local_rank 1", "gpu_ids=[0]"]),
+        (["device=cuda", "distributed.gpu_ids=[0]"], ["gpu_ids=[0]", "runs 2 processes"]),
     ],
     ids=["cuda-0", "short-gpu-ids"],
 )
@@ -269,8 +271,9 @@ def ddp_ranks(tmp_path_factory) -> list[dict]:
 @pytest.mark.slow
 def test_ddp_broadcasts_no_graph(ddp_ranks):
     for result in ddp_ranks:
-        assert set(result["graphs"]) == GRAPHS
-        assert not set(result["broadcast"]) & GRAPHS
+        graphs = set(result["graphs"])  # GEARSNet.graph_buffer_names(), or the *edge* buffers
+        assert graphs, "no graph buffers found"
+        assert not set(result["broadcast"]) & (graphs | GRAPHS)
         assert "bn_emb.running_mean" in result["broadcast"]  # the list is the real one
 
 
@@ -295,7 +298,8 @@ def test_slow_rank0_data_and_scoring_outlast_the_collective_timeout(tmp_path):
     waits for the data on the store (distributed.data_wait_s) and has left the group before
     the scoring, so no collective times out."""
     args = [f"out_dir={tmp_path / 'run'}", f"data.data_dir={tmp_path / 'data'}", *TINY_RUN]
-    args += ["train.epochs=1", "train.limit_batches=3", "distributed.timeout_s=5"]
+    args += ["train.epochs=1", "train.limit_batches=3", "train.plot_conditions=0"]
+    args += ["distributed.timeout_s=5"]
     run = _launch(
         tmp_path / "log",
         sys.executable,
