@@ -46,35 +46,6 @@ def config_from_args(args) -> Config:
     return load_config(args.config, args.overrides, base=base)
 
 
-def build_pert_data(cfg: Config, verbose: bool = True):
-    """Load cfg's dataset and make its split: downloads and processes on first use, reads the
-    caches afterwards."""
-    from gears.data.pertdata import PertData
-
-    pd_ = PertData(
-        cfg.data.data_dir,
-        gene2go=cfg.data.gene2go,
-        gene_aliases=cfg.data.gene_aliases,
-        keep_unmapped_perts=cfg.data.keep_unmapped_perts,
-        verbose=verbose,
-    )
-    if cfg.data.dataset == "synthetic":
-        pd_.load("synthetic", synthetic_params=cfg.data.synthetic)
-    else:
-        pd_.load(data_name=cfg.data.dataset, subset=cfg.data.subset or None)
-    s = cfg.split
-    pd_.prepare_split(
-        s.type,
-        seed=s.seed,
-        train_gene_set_size=s.train_gene_set_size,
-        combo_seen2_train_frac=s.combo_seen2_train_frac,
-        combo_single_split_test_set_fraction=s.test_size,
-        split_dict_path=s.split_dict_path,
-        val_size=s.val_size,
-    )
-    return pd_
-
-
 def injected_delay(stage: str, rank: int) -> None:
     """Test hook: GEARS_TEST_SLOW_RANK0=data:10,scoring:10 makes rank 0's data step or scoring
     that many seconds slower (tests that no other rank waits for them in a collective)."""
@@ -86,24 +57,52 @@ def injected_delay(stage: str, rank: int) -> None:
         time.sleep(float(delays[stage]))
 
 
-def load_pert_data(cfg: Config, env: DistEnv):
+def load_pert_data(cfg: Config, env: DistEnv, store=None):
     """Every rank's PertData; rank 0 first (downloads, writes caches), then the others read them.
 
-    With a process group already joined (a caller's own torchrun script), the ranks wait on the
-    group's store with distributed.data_wait_s, not in a collective; train_distributed.py
-    prepares the data before the group exists (`build_in_stages` over the rendezvous store)."""
+    The ranks wait for each other on a store (`build_in_stages`, distributed.data_wait_s), never
+    in a collective: train_distributed.py passes the rendezvous store before the process group
+    exists (env has no group yet); a caller already in a group uses the group's store."""
+    from gears.data.pertdata import PertData
+    from gears.engine import seed_everything
 
     def build():
+        pd_ = PertData(
+            cfg.data.data_dir,
+            gene2go=cfg.data.gene2go,
+            gene_aliases=cfg.data.gene_aliases,
+            keep_unmapped_perts=cfg.data.keep_unmapped_perts,
+            verbose=env.is_main,
+        )
+        if cfg.data.dataset == "synthetic":
+            pd_.load("synthetic", synthetic_params=cfg.data.synthetic)
+        else:
+            pd_.load(data_name=cfg.data.dataset, subset=cfg.data.subset or None)
+        s = cfg.split
+        pd_.prepare_split(
+            s.type,
+            seed=s.seed,
+            train_gene_set_size=s.train_gene_set_size,
+            combo_seen2_train_frac=s.combo_seen2_train_frac,
+            combo_single_split_test_set_fraction=s.test_size,
+            split_dict_path=s.split_dict_path,
+            val_size=s.val_size,
+        )
+        return pd_
+
+    def staged():
         injected_delay("data", env.rank)
-        return build_pert_data(cfg, verbose=env.is_main)
-
-    if not env.distributed:
+        seed_everything(cfg.seed)  # the same state whichever rank or launcher builds
         return build()
-    import torch.distributed as dist
 
-    store = dist.distributed_c10d._get_default_store()
+    if store is None and env.distributed:
+        import torch.distributed as dist
+
+        store = dist.distributed_c10d._get_default_store()
+    if store is None:
+        return staged()
     return build_in_stages(
-        build, store, env.rank, env.local_rank, env.world_size, cfg.distributed.data_wait_s
+        staged, store, env.rank, env.local_rank, env.world_size, cfg.distributed.data_wait_s
     )
 
 

@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 
 from gears.config import Config, load_config
 from gears.distributed import (
-    build_in_stages,
+    DistEnv,
     check_port_free,
     choose_device,
     cleanup,
@@ -49,8 +49,7 @@ def batch_script_note() -> str | None:
 def worker_main(cfg: Config) -> dict | None:
     """One rank: data first (before any process group, see `build_in_stages`), then join the
     group, train, gather predictions, leave the group; rank 0 then scores alone."""
-    from gears.engine import seed_everything
-    from gears.run import build_pert_data, injected_delay, run
+    from gears.run import load_pert_data, run
 
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         cfg.train.resume = True  # a torchrun restart continues from the last checkpoint
@@ -59,19 +58,14 @@ def worker_main(cfg: Config) -> dict | None:
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     # A device contradiction fails here, before any data work or rendezvous.
-    choose_device(cfg.device, local_rank, cfg.distributed.gpu_ids, world_size)
+    device = choose_device(cfg.device, local_rank, cfg.distributed.gpu_ids, world_size)
     d = cfg.distributed
     store = None
     pert_data = None
     if world_size > 1:
-
-        def build():
-            injected_delay("data", rank)
-            seed_everything(cfg.seed)  # as run() does before building the data itself
-            return build_pert_data(cfg, verbose=rank == 0)
-
         store, rank, world_size = rendezvous_store(d.data_wait_s)
-        pert_data = build_in_stages(build, store, rank, local_rank, world_size, d.data_wait_s)
+        before_group = DistEnv(rank, local_rank, world_size, device, backend=None)
+        pert_data = load_pert_data(cfg, before_group, store=store)
     env = init_distributed(cfg.device, d.backend, d.timeout_s, d.gpu_ids, store=store)
     try:
         return run(cfg, env, pert_data)

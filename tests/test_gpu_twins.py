@@ -21,7 +21,7 @@ from test_distributed import TINY_RUN, _env, _launch, _metrics, clean_launch_env
 from test_engine import TINY, ListLoader, build, group_batches
 
 from gears import checkpoint as ckpt
-from gears.config import DistributedConfig, TrainConfig
+from gears.config import Config, DistributedConfig, TrainConfig
 from gears.data.pertdata import PertData
 from gears.distributed import (
     DistEnv,
@@ -36,6 +36,7 @@ from gears.distributed import (
 from gears.engine import Trainer, graph_buffer_names, optimizer_kernel, rng_state, set_rng_state
 from gears.errors import GearsInputError
 from gears.evaluate import predict_deltas
+from gears.run import load_pert_data
 from gears.train_distributed import batch_script_note, launched_externally
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,18 +83,14 @@ def test_device_of_each_rank():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "args, names",
-    [
-        (["device=cuda:0"], ["device=cuda:0", "2 processes"]),
-        (["device=cuda", "distributed.gpu_ids=[0]"], ["gpu_ids=[0]", "runs 2 processes"]),
-    ],
-    ids=["cuda-0", "short-gpu-ids"],
-)
-def test_launcher_refuses_bad_devices_in_one_line(tmp_path, args, names):
+def test_launcher_refuses_cuda_0_with_two_processes_in_one_line(tmp_path):
+    """`train_distributed.py --nproc 2 device=cuda:0`: exit 2, one line, before any work (the
+    other contradictions take the same path; their messages are checked above)."""
+    args = ["device=cuda:0"]
+    names = ["device=cuda:0", "2 processes"]
     cmd = [sys.executable, str(ROOT / "train_distributed.py"), "--nproc", "2"]
     cmd += [f"out_dir={tmp_path / 'run'}", f"data.data_dir={tmp_path / 'data'}", *args]
-    result = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=120)
+    result = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
     assert result.returncode == 2, result.stderr[-2000:]
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-2000:]
@@ -230,8 +227,11 @@ def _ddp_worker(rank: int, world: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     env = init_distributed("cpu", "gloo", timeout_s=120)
     try:
-        pd_ = PertData(Path(out) / f"data{rank}", verbose=False)
-        pd_.load("synthetic", synthetic_params=TINY).prepare_split("simulation", seed=1)
+        # A caller's own script already in a group: rank 1 waits on the group's store while
+        # rank 0 builds the shared data folder, then reads rank 0's files.
+        cfg = Config()
+        cfg.data.synthetic, cfg.data.data_dir = dict(TINY), str(Path(out) / "data")
+        pd_ = load_pert_data(cfg, env)
         model = build(pd_)
         # Each rank its own batches, no synchronised batch-norm: running statistics diverge.
         batches = group_batches(pd_, 8, 4, 2)[rank::world]
@@ -299,7 +299,7 @@ def test_slow_rank0_data_and_scoring_outlast_the_collective_timeout(tmp_path):
     the scoring, so no collective times out."""
     args = [f"out_dir={tmp_path / 'run'}", f"data.data_dir={tmp_path / 'data'}", *TINY_RUN]
     args += ["train.epochs=1", "train.limit_batches=3", "train.plot_conditions=0"]
-    args += ["distributed.timeout_s=5"]
+    args += ["distributed.timeout_s=6"]
     run = _launch(
         tmp_path / "log",
         sys.executable,
@@ -307,10 +307,10 @@ def test_slow_rank0_data_and_scoring_outlast_the_collective_timeout(tmp_path):
         "--nproc",
         "2",
         *args,
-        env=_env(GEARS_TEST_SLOW_RANK0="data:10,scoring:10"),
-    ).wait(240)
+        env=_env(GEARS_TEST_SLOW_RANK0="data:12,scoring:12"),
+    ).wait(400)
     assert run.ok(), run.why()
-    assert run.seconds > 20  # both delays happened
+    assert run.seconds > 24  # both delays happened
     metrics = _metrics(tmp_path / "run")
     assert metrics["world_size"] == 2 and metrics["test"]["mse_de"] is not None
 
