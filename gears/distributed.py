@@ -270,18 +270,23 @@ def rendezvous_store(wait_s: float) -> tuple[dist.Store, int, int]:
 T = TypeVar("T")
 
 
-def _wait_key(store: dist.Store, key: str, wait_s: float, rank: int, whom: str) -> None:
+class _PeerFailed(GearsInputError):
+    """Another rank's data step failed; its message is passed on."""
+
+
+def _wait_key(store: dist.Store, key: str, wait_s: float, rank: int, whom: str, told: str) -> None:
     try:
         store.wait([key], datetime.timedelta(seconds=wait_s))
+        value = store.get(key)
     except Exception as e:  # DistStoreError on timeout, or the store host went away
         raise GearsInputError(
-            f"rank {rank} waited {wait_s:.0f}s for {whom} to prepare the data and gave up "
-            f"({type(e).__name__}). If the data step legitimately takes longer, raise "
-            "distributed.data_wait_s; otherwise see that rank's error."
+            f"rank {rank} waited for {whom} to prepare the data and gave up after at most "
+            f"{wait_s:.0f}s ({type(e).__name__}). If the data step legitimately takes longer, "
+            "raise distributed.data_wait_s; otherwise see that rank's error."
         ) from None
-    value = store.get(key)
     if value != b"ok":
-        raise GearsInputError(
+        store.add(told, 1)  # the failing rank waits (briefly) until every rank has read it
+        raise _PeerFailed(
             f"rank {rank}: {whom} failed to prepare the data ({value.decode(errors='replace')})"
         )
 
@@ -307,18 +312,22 @@ def build_in_stages(
     prefix = f"{prefix}/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     node_key = f"{prefix}/node/{socket.gethostname()}"
     first_key = f"{prefix}/rank0"
-    if rank != 0:
-        if local_rank == 0:
-            _wait_key(store, first_key, wait_s, rank, "rank 0")
-        else:
-            _wait_key(store, node_key, wait_s, rank, "local rank 0 of this node")
+    told = f"{prefix}/told"
     try:
+        if rank != 0 and local_rank == 0:
+            _wait_key(store, first_key, wait_s, rank, "rank 0", told)
+        elif rank != 0:
+            _wait_key(store, node_key, wait_s, rank, "local rank 0 of this node", told)
         result = build()
     except BaseException as e:
-        if local_rank == 0 or rank == 0:
-            msg = f"{type(e).__name__}: {e}"[:2000]
+        if rank == 0 or local_rank == 0:  # writers tell the ranks waiting for them
+            msg = str(e) if isinstance(e, _PeerFailed) else f"rank {rank}: {type(e).__name__}: {e}"
             for key in (first_key, node_key) if rank == 0 else (node_key,):
-                store.set(key, f"rank {rank}: {msg}")
+                store.set(key, msg[:2000])
+        if rank == 0:  # the store lives in this process: keep it up until they have read it
+            deadline = time.monotonic() + 10
+            while store.add(told, 0) < world_size - 1 and time.monotonic() < deadline:
+                time.sleep(0.1)
         raise
     if rank == 0:
         store.set(first_key, "ok")
@@ -327,7 +336,7 @@ def build_in_stages(
     # Nobody joins the group (whose connect timeout is the collective one) before all are ready.
     if store.add(f"{prefix}/built", 1) == world_size:
         store.set(f"{prefix}/all", "ok")
-    _wait_key(store, f"{prefix}/all", wait_s, rank, "the other ranks")
+    _wait_key(store, f"{prefix}/all", wait_s, rank, "the other ranks", told)
     return result
 
 

@@ -116,7 +116,12 @@ def spawn(cfg: Config, nproc: int | None = None) -> dict | None:
         check_port_free(addr, port)
     else:
         port = find_free_port(addr)
-    mp.spawn(_spawned, args=(nproc, cfg, addr, port), nprocs=nproc, join=True)
+    try:
+        mp.spawn(_spawned, args=(nproc, cfg, addr, port), nprocs=nproc, join=True)
+    except mp.ProcessExitedException as e:
+        if e.exit_code == 2:  # bad input, which the worker has printed: no traceback here
+            raise GearsInputError(f"process {e.error_index} stopped on the error above") from None
+        raise
     metrics = Path(cfg.out_dir) / "metrics.json"
     return json.loads(metrics.read_text()) if metrics.exists() else None
 

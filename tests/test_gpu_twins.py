@@ -10,7 +10,10 @@ import pickle
 import socket
 import subprocess
 import sys
+import threading
+import time
 import zipfile
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +29,7 @@ from gears.data.pertdata import PertData
 from gears.distributed import (
     DistEnv,
     allow_tf32,
+    build_in_stages,
     cleanup,
     default_master_port,
     find_free_port,
@@ -313,6 +317,61 @@ def test_slow_rank0_data_and_scoring_outlast_the_collective_timeout(tmp_path):
     assert run.seconds > 24  # both delays happened
     metrics = _metrics(tmp_path / "run")
     assert metrics["world_size"] == 2 and metrics["test"]["mse_de"] is not None
+
+
+def _stage_threads(builds: list) -> list:
+    """build_in_stages for ranks 0..n-1 (local ranks 0, 1, ...) as threads sharing a real
+    TCPStore; returns each rank's result or exception."""
+    port = find_free_port()
+    stores = [
+        torch.distributed.TCPStore(
+            "127.0.0.1", port, len(builds), r == 0, timedelta(seconds=30), wait_for_workers=False
+        )
+        for r in range(len(builds))
+    ]
+    out: list = [None] * len(builds)
+
+    def one(r: int) -> None:
+        try:
+            out[r] = build_in_stages(builds[r], stores[r], r, r, len(builds), wait_s=20)
+        except Exception as e:
+            out[r] = e
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in range(len(builds))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
+
+
+def test_data_is_built_by_rank_0_first_then_the_others():
+    order = []
+
+    def build(r: int, delay: float):
+        def run():
+            time.sleep(delay)
+            order.append(r)
+            return f"data{r}"
+
+        return run
+
+    # Rank 0 is the slowest, yet the others start only when it is done.
+    assert _stage_threads([build(0, 0.5), build(1, 0.0), build(2, 0.0)]) == [
+        "data0",
+        "data1",
+        "data2",
+    ]
+    assert order[0] == 0
+
+
+def test_failed_rank_0_data_step_stops_the_waiting_ranks_with_its_message():
+    def bad():
+        raise GearsInputError("no .h5ad file at /x.h5ad")
+
+    results = _stage_threads([bad, lambda: "never", lambda: "never"])
+    assert all(isinstance(r, GearsInputError) for r in results), results
+    assert all("no .h5ad file at /x.h5ad" in str(r) for r in results)
 
 
 # ------------------------------------------------------------------- Slurm launching (13)
