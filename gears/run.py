@@ -194,6 +194,8 @@ def run(cfg: Config, env: DistEnv, pert_data=None) -> dict | None:
     evaluator = Evaluator(pert_data, env, model.model)
     has_test = bool([c for c in pert_data.set2conditions.get("test", []) if c != "ctrl"])
     pred = evaluator.predict_means("test") if has_test else None  # every rank takes part
+    # Every collective (each gathered prediction) must come before this point: the ranks leave
+    # the group here and rank 0 alone scores below, with no collective timeout pending.
     model.trainer.unwrap()  # DDP is not needed any more; free it while the group is alive
     env = release(env)  # the last collective: the other ranks are done
     model.env = evaluator.env = env
