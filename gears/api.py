@@ -247,7 +247,8 @@ class GEARS:
     # ---------------------------------------------------------------------------- save / load
     def save_model(self, path: str | Path) -> None:
         """A folder with config.json and model.pt (weights without any DDP `module.` prefix,
-        plus the graphs and gene lists, so loading needs no graph rebuild)."""
+        plus the graphs and gene lists, so loading needs no graph rebuild), and for predict.py
+        control_cells.h5ad and prediction.json (gears.predict.write_prediction_inputs)."""
         if not self.env.is_main:
             return
         path = Path(path)
@@ -260,6 +261,11 @@ class GEARS:
             "ctrl_expression": np.asarray(self.ctrl_expression),
         }
         ckpt.atomic_save(state, path / MODEL_FILE)
+        if hasattr(self.pert_data, "ctrl_rows"):  # a PertData, not a folder's vocabulary
+            from gears.predict import write_prediction_inputs
+
+            # Control cells and the input's spelling, so predict.py needs no dataset.
+            write_prediction_inputs(self.pert_data, path, seed=self.seed)
 
     def load_pretrained(self, path: str | Path) -> GEARS:
         path = Path(path)

@@ -41,6 +41,9 @@ class DataConfig:
     go_threshold: float = 0.1
     coexpress_top_k: int = 20
     coexpress_threshold: float = 0.4
+    # none: X is log-normalised already; log1p: X holds raw counts (the Virtual Cell Challenge's
+    # file): scale each cell to the median total count, then log1p, as cell-eval does.
+    normalize: str = "none"
 
 
 @dataclass
@@ -157,6 +160,7 @@ CHOICES = {
     "data.unmapped_perts": ("error", "drop", "keep"),
     "data.store": ("auto", "memory", "mmap"),
     "eval.control_mean": ("all", "paired"),
+    "data.normalize": ("none", "log1p"),
 }
 
 

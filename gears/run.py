@@ -77,7 +77,13 @@ def load_pert_data(cfg: Config, env: DistEnv, store=None):
         if cfg.data.dataset == "synthetic":
             pd_.load("synthetic", synthetic_params=cfg.data.synthetic)
         else:
-            pd_.load(data_name=cfg.data.dataset, subset=cfg.data.subset or None)
+            pd_.load(
+                data_name=cfg.data.dataset,
+                subset=cfg.data.subset or None,
+                condition_key=cfg.data.condition_key,
+                control_names=tuple(cfg.data.control_names),
+                normalize=cfg.data.normalize,
+            )
         s = cfg.split
         pd_.prepare_split(
             s.type,
@@ -175,6 +181,10 @@ def run(cfg: Config, env: DistEnv, pert_data=None) -> dict | None:
     from gears.plotting import plot_history
 
     t_start = time.perf_counter()
+    if cfg.eval.cell_eval:
+        from gears.predict import require_cell_eval
+
+        require_cell_eval()  # before training: say how to install it, not after an hour
     seed_everything(cfg.seed)
     out = Path(cfg.out_dir)
     if env.is_main:
@@ -223,14 +233,19 @@ def run(cfg: Config, env: DistEnv, pert_data=None) -> dict | None:
             view = evaluator.set_view("test")
             train_conds = [c for c in pert_data.set2conditions["train"] if c != "ctrl"]
             train_means = dict(zip(train_conds, pert_data.condition_means(train_conds)))
-            for name, bpred in baseline_predictions(
+            baseline_means = baseline_predictions(
                 train_means, pert_data.ctrl_mean, view["conditions"], list(pert_data.gene_names)
-            ).items():
+            )
+            for name, bpred in baseline_means.items():
                 if np.isnan(bpred).all():
                     continue
                 b = evaluator.full("test", pred_mean=bpred)["summary"]
                 results["baselines"][name] = b.pop("overall")
                 results["baseline_subgroups"][name] = b
+            if cfg.eval.cell_eval:
+                results["cell_eval"] = cell_eval_test_scores(
+                    cfg, pert_data, model, view["conditions"], baseline_means, out
+                )
         eval_s = time.perf_counter() - t_eval
         epochs_run = max(len(history.epoch_s), 1)
         results["timing"] = {
@@ -252,6 +267,10 @@ def run(cfg: Config, env: DistEnv, pert_data=None) -> dict | None:
         (out / "metrics.json").write_text(json.dumps(results, indent=1))
         if has_test:
             print_table(results)
+            if results.get("cell_eval"):
+                from gears.predict import print_cell_eval_table
+
+                print_cell_eval_table(results["cell_eval"])
         print(
             f"\nwrote {out}/ (config.yaml, metrics.json, model/, checkpoints/, plots/) in "
             f"{results['timing']['total_s']:.1f}s",
@@ -261,6 +280,31 @@ def run(cfg: Config, env: DistEnv, pert_data=None) -> dict | None:
             wandb_run.summary.update({f"test/{k}": v for k, v in results["test"].items()})
             wandb_run.finish()
     return results
+
+
+def cell_eval_test_scores(cfg: Config, pert_data, model, conditions, baseline_means, out):
+    """cell-eval's vcc profile on the test perturbations for GEARS and every baseline, each
+    turned into cells the same way (control cell + predicted change). Rank 0 only."""
+    from gears.evaluate import predict_deltas
+    from gears.predict import score_test_set
+
+    ids = np.array([pert_data.cond_to_id[c] for c in conditions], dtype=np.int64)
+    delta, _ = predict_deltas(model.model, pert_data.cond_pert_index[ids])
+    deltas = {"gears": delta}
+    deltas.update({name: m - pert_data.ctrl_mean[None, :] for name, m in baseline_means.items()})
+    t0 = time.perf_counter()
+    scores = score_test_set(
+        pert_data,
+        conditions,
+        deltas,
+        out / "cell_eval",
+        seed=cfg.seed,
+        threads=cfg.train.threads or -1,
+    )
+    print(
+        f"cell-eval scored {len(scores)} predictors in {time.perf_counter() - t0:.1f}s", flush=True
+    )
+    return scores
 
 
 def guarded(main):

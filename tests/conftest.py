@@ -19,3 +19,11 @@ def shared_data() -> Path:
     if not (SHARED_DATA / "perturbench_devel.h5ad").exists():
         pytest.skip(f"real data folder {SHARED_DATA} is absent (set GEARS_SHARED_DATA to use it)")
     return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def vcc_run(tmp_path_factory) -> dict:
+    """A tiny model trained on a synthetic VCC-layout file (tests/vcc_helpers.py)."""
+    from vcc_helpers import train_vcc_run
+
+    return train_vcc_run(tmp_path_factory.mktemp("vcc_run"))

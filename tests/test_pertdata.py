@@ -419,11 +419,12 @@ def test_reload_synthetic_with_other_params_uses_its_own_go(tmp_path):
 # ----------------------------------------------------------------------------------- bad input
 def test_condition_key_option_and_missing_column(tmp_path):
     adata = tiny_screen()
-    adata.obs = adata.obs.rename(columns={"condition": "perturbation"})
-    with pytest.raises(GearsInputError, match="no 'condition' column"):
+    # 'perturbation' is found by itself now (tests/test_vcc.py); a custom name is not.
+    adata.obs = adata.obs.rename(columns={"condition": "my_perturbation"})
+    with pytest.raises(GearsInputError, match="none of the usual perturbation columns"):
         tiny_pertdata(tmp_path).new_data_process("x", adata, write=False)
     p = tiny_pertdata(tmp_path).new_data_process(
-        "x", adata, condition_key="perturbation", write=False
+        "x", adata, condition_key="my_perturbation", write=False
     )
     assert "G00+G03" in p.conditions
 

@@ -14,6 +14,30 @@ CTRL = "ctrl"
 CONTROL_SPELLINGS = frozenset(
     {"ctrl", "control", "non-targeting", "nontargeting", "non_targeting", "nt", "safe-targeting"}
 )
+# obs columns that name each cell's perturbation in public files, in the order they are tried
+# (GEARS / scPerturb / Virtual Cell Challenge / Replogle / guide-level tables).
+CONDITION_KEY_CANDIDATES = ("condition", "perturbation", "target_gene", "gene", "guide_target")
+
+
+def detect_condition_key(columns: Iterable[str], condition_key: str | None = None) -> str:
+    """The obs column naming each cell's perturbation: `condition_key` when given (it must
+    exist), else the first of CONDITION_KEY_CANDIDATES present. Raises GearsInputError."""
+    columns = [str(c) for c in columns]
+    if condition_key is not None:
+        if condition_key not in columns:
+            raise GearsInputError(
+                f"adata.obs has no column {condition_key!r} (data.condition_key); columns "
+                f"present: {columns}"
+            )
+        return condition_key
+    for candidate in CONDITION_KEY_CANDIDATES:
+        if candidate in columns:
+            return candidate
+    raise GearsInputError(
+        f"adata.obs has none of the usual perturbation columns {list(CONDITION_KEY_CANDIDATES)} "
+        f"(columns present: {columns}); set data.condition_key to the column naming each "
+        "cell's perturbation"
+    )
 
 
 def canonical_condition(name: str, sep: str = "+", control_names: Iterable[str] = ()) -> str:

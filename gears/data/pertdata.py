@@ -13,7 +13,14 @@ import pandas as pd
 import scipy.sparse as sp
 
 from gears.data import de as de_mod
-from gears.data.conditions import CTRL, canonicalize_conditions, condition_genes, genes_of
+from gears.data.conditions import (
+    CONDITION_KEY_CANDIDATES,
+    CTRL,
+    canonicalize_conditions,
+    condition_genes,
+    detect_condition_key,
+    genes_of,
+)
 from gears.data.loaders import EpochLoader, ExampleSet, ExpressionMatrix, eval_loader, train_loader
 from gears.errors import GearsInputError
 
@@ -97,6 +104,11 @@ class PertData:
         self.report: dict = {}
         self._graphs: dict = {}
         self.synthetic = None
+        # The input's own spelling: its perturbation column, and per canonical condition the
+        # first raw name seen (e.g. 'non-targeting', 'KLF1'); predictions are written with them.
+        self.condition_key: str = "condition"
+        self.condition_spelling: dict[str, str] = {}
+        self.normalize_target_sum: float | None = None  # set by normalize='log1p'
 
     def _log(self, msg: str) -> None:
         if self.verbose:
@@ -104,13 +116,16 @@ class PertData:
 
     # ----------------------------------------------------------------------------------- loading
     def load(self, data_name: str | None = None, data_path: str | Path | None = None,
-             synthetic_params: dict | None = None, subset: dict | None = None) -> PertData:
+             synthetic_params: dict | None = None, subset: dict | None = None,
+             condition_key: str | None = None, control_names: tuple[str, ...] = (),
+             normalize: str = "none") -> PertData:
         """Load a named dataset (`synthetic`, `norman`, `adamson`, `dixit`,
         `replogle_k562_essential`, `replogle_rpe1_essential`) or a processed/raw `.h5ad` path
         (a file, or a folder holding perturb_processed.h5ad).
 
         subset: keep only cells whose obs columns hold the given value(s), e.g.
         {"dataset": "norman19"} or {"cell_type": ["K562", "RPE1"]}.
+        condition_key, control_names, normalize: as in new_data_process (files only).
         """
         from gears.data import download
 
@@ -132,7 +147,8 @@ class PertData:
             if data_name not in download.DATASETS:
                 p = Path(data_name)
                 if p.suffix == ".h5ad" or p.is_dir():
-                    return self.load(data_path=p, subset=subset)
+                    return self.load(data_path=p, subset=subset, condition_key=condition_key,
+                                     control_names=control_names, normalize=normalize)
                 raise GearsInputError(
                     f"unknown dataset {data_name!r}; use 'synthetic', one of "
                     f"{sorted(download.DATASETS)}, or a path to an .h5ad file"
@@ -158,23 +174,44 @@ class PertData:
                 raise GearsInputError(f"subset: no cell has obs[{column!r}] in {wanted}")
             adata = adata[keep].copy()
         # Reuse DE results stored in the file (ours, or GEARS's keyed by condition_name).
-        return self.new_data_process(name, adata, skip_calc_de=True, write=False)
+        return self.new_data_process(name, adata, condition_key=condition_key,
+                                     control_names=tuple(control_names), normalize=normalize,
+                                     skip_calc_de=True, write=False, copy_x=False)
 
     def new_data_process(self, dataset_name: str, adata: ad.AnnData, *,
-                         condition_key: str = "condition", sep: str = "+",
+                         condition_key: str | None = None, sep: str = "+",
                          control_names: tuple[str, ...] = (), skip_calc_de: bool = False,
-                         write: bool = True) -> PertData:
+                         write: bool = True, normalize: str = "none",
+                         copy_x: bool = True) -> PertData:
         """Validate, canonicalise condition names, compute DE genes, write the processed h5ad.
 
         Accepts `ctrl`/`control`/`non-targeting`, `A`, `A+ctrl`, `ctrl+A`, `A+B` (separator `sep`).
+        condition_key: the obs column naming each cell's perturbation; None = the first of
+        `condition`, `perturbation`, `target_gene`, `gene`, `guide_target` present (printed).
+        normalize: `none` (X is already log-normalised) or `log1p` (X holds raw counts: scale
+        each cell to the median total count, then log1p, as cell-eval and the Virtual Cell
+        Challenge do; the caller's AnnData is left unchanged unless copy_x=False, which saves a
+        copy of X when the caller hands the AnnData over, as `load` does).
         DE results go to `.uns` under the keys in gears.data.de.DE_KEYS, keyed by condition.
         """
         t0 = time.perf_counter()
+        chosen = detect_condition_key(adata.obs.columns, condition_key)
+        if condition_key is None:
+            others = [c for c in CONDITION_KEY_CANDIDATES if c in adata.obs and c != chosen]
+            self._log(f"perturbation column: obs[{chosen!r}], found by itself"
+                      f"{f' (also present: {others})' if others else ''}; set "
+                      "data.condition_key to choose another")
+        condition_key = chosen
         validate_adata(adata, condition_key)
         names = gene_names_of(adata)
         obs = pd.DataFrame(index=adata.obs_names.astype(str))
         obs["condition"] = canonicalize_conditions(adata.obs[condition_key].values, sep,
                                                    control_names)
+        raw_names = adata.obs[condition_key].astype(str).values
+        self.condition_key = condition_key
+        self.condition_spelling = (
+            pd.Series(raw_names).groupby(obs["condition"].values, sort=False).first().to_dict()
+        )
         for extra in ("cell_type", "condition_name", "dose_val"):
             if extra in adata.obs and extra != condition_key:
                 obs[extra] = adata.obs[extra].values
@@ -182,7 +219,7 @@ class PertData:
         if not (conditions == CTRL).any():
             raise GearsInputError(
                 f"no control cells: none of obs[{condition_key!r}] is 'ctrl', 'control' or "
-                "'non-targeting' (pass control_names=(...) for other spellings)"
+                "'non-targeting' (data.control_names / control_names=(...) adds other spellings)"
             )
         if (conditions == CTRL).all():
             raise GearsInputError("every cell is a control: the data has no perturbed cells")
@@ -206,9 +243,14 @@ class PertData:
         X = sp.csr_matrix(X, dtype=np.float32) if sp.issparse(X) else np.asarray(X, np.float32)
         if not keep.all():
             X, obs = X[keep], obs.iloc[keep]
+        # Unfiltered, X may share memory with the caller's adata.X: normalise a copy then.
+        X = self._normalize(X, normalize, copy=copy_x and bool(keep.all()))
+        if self.normalize_target_sum is not None:
+            self.report["normalize"] = {"method": normalize,
+                                        "target_sum": self.normalize_target_sum}
         if X.max() > 50:
             self._log(f"warning: max expression {X.max():.1f} looks like raw counts; GEARS "
-                      "expects log-normalised data")
+                      "expects log-normalised data (data.normalize=log1p normalises counts)")
         processed = ad.AnnData(X=X, obs=obs, var=pd.DataFrame({"gene_name": names.values},
                                                                 index=names.values))
         uns_old = dict(adata.uns) if skip_calc_de else {}
@@ -227,6 +269,31 @@ class PertData:
         self._log(f"processed {dataset_name}: {processed.n_obs} cells x {processed.n_vars} genes, "
                   f"{len(self.conditions)} conditions in {time.perf_counter() - t0:.1f}s")
         return self
+
+    def _normalize(self, X, method: str, copy: bool):
+        """normalize='log1p': raw counts -> log1p(counts scaled to the median cell total)."""
+        self.normalize_target_sum = None
+        if method == "none":
+            return X
+        if method != "log1p":
+            raise GearsInputError(f"normalize must be 'none' or 'log1p', got {method!r}")
+        import scanpy as sc
+
+        values = _finite_values(X)
+        if np.size(values) and np.any(values != np.round(values)):
+            raise GearsInputError(
+                "data.normalize=log1p expects raw counts in adata.X, but it holds non-integer "
+                "values (already normalised?); set data.normalize=none for log-normalised data"
+            )
+        totals = np.asarray(X.sum(axis=1)).ravel()
+        target = float(np.median(totals[totals > 0])) if (totals > 0).any() else 1.0
+        work = ad.AnnData(X=X.copy() if copy else X)
+        sc.pp.normalize_total(work, target_sum=target)
+        sc.pp.log1p(work)
+        self.normalize_target_sum = target
+        self._log(f"normalised raw counts: each cell scaled to {target:.0f} counts (the median), "
+                  "then log1p")
+        return work.X
 
     def _translate_de_keys(self, uns: dict, adata: ad.AnnData, condition_key: str) -> dict:
         """GEARS's own files key DE results by `condition_name`; re-key them by condition."""

@@ -413,8 +413,11 @@ def make_synthetic(
     n_modules: int = 12,
     mode: str = "crispra",
     seed: int = 0,
+    keep_counts: bool = False,
 ) -> SyntheticScreen:
     """Simulate a Perturb-seq screen (model in the module docstring); same seed, same screen.
+
+    keep_counts: also keep the raw counts (before normalisation) in adata.layers['counts'].
 
     Every double's two genes are among the single-perturbation genes, so GEARS's `simulation`
     split finds combo_seen0/1/2 and unseen_single test conditions.
@@ -498,6 +501,8 @@ def make_synthetic(
     )
     var = pd.DataFrame({"gene_name": genes.astype(str)}, index=pd.Index(genes.astype(str)))
     adata = anndata.AnnData(X=X, obs=obs, var=var)
+    if keep_counts:
+        adata.layers["counts"] = sp.csr_matrix(counts.astype(np.float32))
 
     means = _true_means(abundance, lfc, condition_loading, module, dispersion, lib_median)
     return SyntheticScreen(
@@ -564,3 +569,112 @@ def write_gene2go_tsv(gene2go: dict[str, set[str]], path: str | Path) -> Path:
     else:
         path.write_bytes(data)
     return path
+
+
+VCC_CONTROL = "non-targeting"
+
+
+def make_vcc_layout(
+    n_genes: int = 200,
+    n_perturbations: int = 30,
+    cells_per_perturbation: int = 40,
+    n_control_cells: int = 300,
+    n_modules: int = 6,
+    n_batches: int = 4,
+    seed: int = 0,
+) -> tuple[anndata.AnnData, dict[str, set[str]]]:
+    """A small CRISPRi screen laid out like the Virtual Cell Challenge's adata_Training.h5ad.
+
+    Layout (the challenge's data page): X [cells, genes] CSR float32 raw UMI counts;
+    obs['target_gene'] the bare symbol of the knocked-down gene or 'non-targeting',
+    obs['guide_id'] (two guides per gene), obs['batch']; var_names gene symbols,
+    var['gene_id'] Ensembl-style ids; singles only. Returns (adata, gene -> GO terms).
+    """
+    screen = make_synthetic(
+        n_genes=n_genes,
+        n_single=n_perturbations,
+        n_double=0,
+        cells_per_condition=cells_per_perturbation,
+        n_control_cells=n_control_cells,
+        n_modules=n_modules,
+        mode="crispri",
+        seed=seed,
+        keep_counts=True,
+    )
+    src = screen.adata
+    condition = src.obs["condition"].astype(str).values
+    target = np.where(
+        condition == CTRL, VCC_CONTROL, np.char.replace(condition.astype(str), f"+{CTRL}", "")
+    )
+    rng = np.random.default_rng(seed + 1)
+    guide = np.char.add(
+        np.char.add(target.astype(str), "_guide"), (1 + rng.integers(0, 2, len(target))).astype(str)
+    )
+    batch = np.char.add("batch", rng.integers(0, n_batches, len(target)).astype(str))
+    obs = pd.DataFrame(
+        {
+            "target_gene": pd.Categorical(target),
+            "guide_id": pd.Categorical(guide),
+            "batch": pd.Categorical(batch),
+        },
+        index=pd.Index([f"{name}-{b}" for name, b in zip(src.obs_names, batch)]),
+    )
+    genes = src.var_names.astype(str)
+    var = pd.DataFrame(
+        {"gene_id": [f"ENSG{900000 + i:011d}" for i in range(len(genes))]},
+        index=pd.Index(genes),
+    )
+    return anndata.AnnData(X=src.layers["counts"], obs=obs, var=var), screen.gene2go
+
+
+def write_pert_counts(adata: anndata.AnnData, path: str | Path, perturbations=None) -> Path:
+    """The challenge's pert_counts CSV (target_gene,n_cells,median_umi_per_cell) for a
+    VCC-layout AnnData of raw counts, restricted to `perturbations` when given."""
+    target = adata.obs["target_gene"].astype(str).values
+    umis = np.asarray(adata.X.sum(axis=1)).ravel()
+    frame = (
+        pd.DataFrame({"target_gene": target, "umi": umis})
+        .query("target_gene != @VCC_CONTROL")
+        .groupby("target_gene", sort=True)["umi"]
+        .agg(n_cells="size", median_umi_per_cell="median")
+        .reset_index()
+    )
+    if perturbations is not None:
+        frame = frame[frame["target_gene"].isin(list(perturbations))]
+    path = Path(path)
+    frame.to_csv(path, index=False)
+    return path
+
+
+def write_vcc_example(
+    folder: str | Path, validation_fraction: float = 1 / 3, seed: int = 0, **layout
+) -> dict[str, Path]:
+    """A synthetic stand-in for the challenge's files in `folder`: adata_Training.h5ad (half the
+    control cells and the training perturbations), adata_Validation.h5ad (the other control cells
+    and the held-out perturbations: the real answers), pert_counts_Validation.csv (its cell
+    counts, the challenge's request format) and gene2go.tsv. layout: make_vcc_layout arguments."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    adata, gene2go = make_vcc_layout(seed=seed, **layout)
+    target = adata.obs["target_gene"].astype(str).values
+    perts = np.array(sorted(set(target) - {VCC_CONTROL}))
+    rng = np.random.default_rng(seed + 2)
+    n_val = max(1, int(round(len(perts) * validation_fraction)))
+    held_out = set(rng.choice(perts, size=n_val, replace=False).tolist())
+    is_ctrl = target == VCC_CONTROL
+    ctrl_half = np.zeros(len(target), dtype=bool)
+    ctrl_rows = np.flatnonzero(is_ctrl)
+    ctrl_half[rng.permutation(ctrl_rows)[: len(ctrl_rows) // 2]] = True
+    in_val = np.isin(target, sorted(held_out)) | (is_ctrl & ctrl_half)
+    paths = {
+        "training": folder / "adata_Training.h5ad",
+        "validation": folder / "adata_Validation.h5ad",
+        "counts": folder / "pert_counts_Validation.csv",
+        "gene2go": folder / "gene2go.tsv",
+    }
+    adata[~in_val].copy().write_h5ad(paths["training"])
+    validation = adata[in_val].copy()
+    validation.write_h5ad(paths["validation"])
+    write_pert_counts(validation, paths["counts"])
+    write_gene2go_tsv(gene2go, paths["gene2go"])
+    return paths

@@ -1,0 +1,537 @@
+"""Predicted cells as AnnData (the Virtual Cell Challenge layout) and scoring with cell-eval.
+
+A predicted cell is a real control cell plus GEARS's predicted change for its perturbation
+(GEARS's per-cell prediction: the network's output depends on the perturbation alone, the control
+cell enters only as a residual), so one network forward per perturbation serves all its cells.
+Log-expression cannot be negative, so predicted cells are clipped at 0 (cell-eval also rejects
+negative values); the per-perturbation mean kept in `.uns` is GEARS.predict's, unclipped.
+
+A saved model folder (GEARS.save_model) holds what prediction needs besides the weights:
+`control_cells.h5ad` (a seeded sample of at most MAX_SAVED_CONTROL_CELLS processed control cells,
+genes in training order) and `prediction.json` (the input's perturbation column, control spelling,
+condition spellings and normalisation).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import anndata as ad
+import numpy as np
+import pandas as pd
+import scipy.sparse as sp
+
+from gears.data.conditions import CTRL, canonical_condition, condition_genes
+from gears.errors import GearsInputError
+
+CONTROL_CELLS_FILE = "control_cells.h5ad"
+PREDICTION_FILE = "prediction.json"
+MAX_SAVED_CONTROL_CELLS = 2000
+DEFAULT_CELLS_PER_PERTURBATION = 100
+UNCERTAINTY_LAYER = "log_variance"
+MEAN_KEY = "gears_mean_prediction"
+CELL_EVAL_PROFILE = "vcc"
+CELL_EVAL_INSTALL = (
+    "cell-eval is not installed; install the optional evaluation extra with "
+    "`pip install -r requirements-eval.txt` (it keeps the project's torch/numpy/pandas)"
+)
+
+
+# ------------------------------------------------------------------------- model folder inputs
+def control_sample_rows(ctrl_rows: np.ndarray, max_cells: int, seed: int = 0) -> np.ndarray:
+    """At most max_cells of ctrl_rows, drawn without replacement by a seeded generator, sorted."""
+    ctrl_rows = np.asarray(ctrl_rows)
+    if len(ctrl_rows) <= max_cells:
+        return ctrl_rows
+    rng = np.random.default_rng(seed)
+    return np.sort(rng.choice(ctrl_rows, size=max_cells, replace=False))
+
+
+def _csr_rows(X, rows: np.ndarray) -> sp.csr_matrix:
+    part = X[rows]
+    return sp.csr_matrix(part, dtype=np.float32)
+
+
+def _atomic_write_h5ad(adata: ad.AnnData, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    adata.write_h5ad(tmp)
+    tmp.replace(path)
+
+
+def write_prediction_inputs(
+    pert_data, path: str | Path, max_cells: int = MAX_SAVED_CONTROL_CELLS, seed: int = 0
+) -> None:
+    """Save control cells and the input's spelling next to a model (called by save_model)."""
+    path = Path(path)
+    rows = control_sample_rows(pert_data.ctrl_rows, max_cells, seed)
+    X = _csr_rows(pert_data.expr.numpy(), rows)
+    names = pert_data.adata.obs_names.astype(str).values[rows]
+    genes = list(pert_data.gene_names)
+    controls = ad.AnnData(X=X, obs=pd.DataFrame(index=names), var=pd.DataFrame(index=genes))
+    _atomic_write_h5ad(controls, path / CONTROL_CELLS_FILE)
+    spelling = dict(getattr(pert_data, "condition_spelling", {}) or {})
+    info = {
+        "condition_key": getattr(pert_data, "condition_key", "condition"),
+        "control_label": spelling.get(CTRL, CTRL),
+        "condition_spelling": spelling,
+        "normalize_target_sum": getattr(pert_data, "normalize_target_sum", None),
+        "n_control_cells": int(len(pert_data.ctrl_rows)),
+        "n_saved_control_cells": int(len(rows)),
+    }
+    tmp = path / f".{PREDICTION_FILE}.tmp{os.getpid()}"
+    tmp.write_text(json.dumps(info, indent=1))
+    tmp.replace(path / PREDICTION_FILE)
+
+
+class SavedVocabulary:
+    """What GEARS needs of a PertData to load weights and predict, read from a model folder."""
+
+    def __init__(self, gene_names: list[str], pert_names: list[str], ctrl_mean: np.ndarray):
+        self.gene_names = pd.Index(gene_names)
+        self.pert_names = np.array(pert_names)
+        self.node_map_pert = {g: i for i, g in enumerate(pert_names)}
+        self.ctrl_mean = np.asarray(ctrl_mean, dtype=np.float64)
+
+
+def load_model(path: str | Path, device: str = "cpu"):
+    """A saved model folder -> (GEARS ready to predict, prediction info dict, control AnnData)."""
+    from gears import checkpoint as ckpt
+    from gears.api import CONFIG_FILE, GEARS, MODEL_FILE
+
+    path = Path(path)
+    if not (path / CONFIG_FILE).exists() or not (path / MODEL_FILE).exists():
+        raise GearsInputError(
+            f"{path} is not a saved GEARS model folder (no {CONFIG_FILE} / {MODEL_FILE}); "
+            "pass RUN_DIR/model of a finished training run"
+        )
+    for needed in (CONTROL_CELLS_FILE, PREDICTION_FILE):
+        if not (path / needed).exists():
+            raise GearsInputError(
+                f"{path} has no {needed}: the model was saved by an older version; load it "
+                "with its PertData and call GEARS.save_model(path) again to add the control cells"
+            )
+    meta = json.loads((path / CONFIG_FILE).read_text())
+    state = ckpt.load(path / MODEL_FILE, map_location="cpu")
+    vocab = SavedVocabulary(meta["gene_names"], meta["pert_names"], state["ctrl_expression"])
+    model = GEARS(vocab, device=device).load_pretrained(path)
+    info = json.loads((path / PREDICTION_FILE).read_text())
+    controls = ad.read_h5ad(path / CONTROL_CELLS_FILE)
+    if list(controls.var_names) != list(meta["gene_names"]):
+        raise GearsInputError(f"{path / CONTROL_CELLS_FILE} does not match the model's genes")
+    return model, info, controls
+
+
+# --------------------------------------------------------------------------- the request
+def read_perturbations(spec: str) -> list[str]:
+    """`--perturbations`: a file with one perturbation a line, or a comma-separated list."""
+    path = Path(spec)
+    if path.is_file():
+        items = [line.strip() for line in path.read_text().splitlines()]
+        items = [i for i in items if i and not i.startswith("#")]
+    else:
+        items = [i.strip() for i in spec.split(",") if i.strip()]
+    if not items:
+        raise GearsInputError(f"--perturbations {spec!r} names no perturbation")
+    dup = sorted({i for i in items if items.count(i) > 1})
+    if dup:
+        raise GearsInputError(f"--perturbations lists {dup} more than once")
+    return items
+
+
+def read_counts(path: str | Path, condition_key: str) -> dict[str, int]:
+    """A cell-count CSV: perturbation -> n_cells. Accepts VCC's pert_counts_Validation.csv
+    (target_gene,n_cells,median_umi_per_cell); the perturbation column is `condition_key`,
+    `target_gene` or the first column. median_umi_per_cell is ignored (predictions are
+    log-normalised, not counts)."""
+    path = Path(path)
+    if not path.is_file():
+        raise GearsInputError(f"--counts file {path} does not exist")
+    frame = pd.read_csv(path)
+    if "n_cells" not in frame.columns:
+        raise GearsInputError(
+            f"--counts file {path} has no 'n_cells' column (columns: {list(frame.columns)}); "
+            "expected e.g. target_gene,n_cells,median_umi_per_cell"
+        )
+    key = next((k for k in (condition_key, "target_gene") if k in frame.columns), frame.columns[0])
+    counts = pd.to_numeric(frame["n_cells"], errors="coerce")
+    if counts.isna().any() or (counts < 1).any() or (counts % 1 != 0).any():
+        bad = frame.loc[counts.isna() | (counts < 1) | (counts % 1 != 0), key].tolist()
+        raise GearsInputError(f"--counts: n_cells must be whole numbers >= 1; bad rows: {bad}")
+    labels = frame[key].astype(str).str.strip()
+    if labels.duplicated().any():
+        raise GearsInputError(f"--counts lists {sorted(set(labels[labels.duplicated()]))} twice")
+    return dict(zip(labels, counts.astype(int)))
+
+
+def resolve_perturbations(
+    labels: Sequence[str], pert_vocabulary: dict[str, int], control_names: Sequence[str] = ()
+) -> list[str]:
+    """Canonical conditions of user spellings; every gene outside the model's vocabulary is
+    listed in one GearsInputError."""
+    conditions, unknown = [], []
+    for label in labels:
+        condition = canonical_condition(label, control_names=control_names)
+        if condition == CTRL:
+            raise GearsInputError(
+                f"{label!r} is a control, not a perturbation; control cells are always included"
+            )
+        conditions.append(condition)
+        unknown += [g for g in condition_genes(condition) if g not in pert_vocabulary]
+    if unknown:
+        unknown = sorted(set(unknown))
+        raise GearsInputError(
+            f"{len(unknown)} gene(s) are outside the model's perturbation vocabulary (genes "
+            f"with GO annotations among its measured and perturbed genes): {unknown[:50]}"
+            f"{' ...' if len(unknown) > 50 else ''}; they cannot be predicted"
+        )
+    dup = sorted({c for c in conditions if conditions.count(c) > 1})
+    if dup:
+        raise GearsInputError(f"perturbations {dup} are requested twice (in different spellings)")
+    return conditions
+
+
+# ---------------------------------------------------------------------------- predicted cells
+def prediction_adata(
+    labels: Sequence[str],
+    conditions: Sequence[str],
+    delta: np.ndarray,
+    n_cells: Sequence[int],
+    controls: ad.AnnData,
+    condition_key: str,
+    control_label: str,
+    n_control: int | None = None,
+    seed: int = 0,
+    logvar: np.ndarray | None = None,
+    ctrl_mean: np.ndarray | None = None,
+) -> ad.AnnData:
+    """Predicted cells: for each perturbation p, n_cells[p] control cells drawn from `controls`
+    (without replacement while they last) plus delta[p] [genes], clipped at 0.
+
+    labels: the spelling written to obs[condition_key]; conditions: canonical names.
+    delta [P, G]; logvar [P, G] -> layers['log_variance'] (NaN on the control cells).
+    ctrl_mean [G]: with it, .uns['gears_mean_prediction'] holds delta + ctrl_mean per perturbation.
+    The control cells (n_control of them, default all) come first, labelled control_label.
+    """
+    delta = np.asarray(delta, dtype=np.float64)
+    n_cells = [int(n) for n in n_cells]
+    if delta.shape != (len(labels), controls.n_vars):
+        raise GearsInputError(f"delta has shape {delta.shape}; expected {len(labels)} x genes")
+    rng = np.random.default_rng(seed)
+    ctrl_X = controls.X.toarray() if sp.issparse(controls.X) else np.asarray(controls.X)
+    ctrl_X = ctrl_X.astype(np.float32)
+    n_ctrl_pool = ctrl_X.shape[0]
+    ctrl_idx = np.arange(n_ctrl_pool) if n_control is None else _draw(rng, n_ctrl_pool, n_control)
+    total = len(ctrl_idx) + sum(n_cells)
+    X = np.empty((total, controls.n_vars), dtype=np.float32)
+    X[: len(ctrl_idx)] = ctrl_X[ctrl_idx]
+    source = [ctrl_idx]
+    obs_label = [np.full(len(ctrl_idx), control_label, dtype=object)]
+    obs_cond = [np.full(len(ctrl_idx), CTRL, dtype=object)]
+    start = len(ctrl_idx)
+    for p, n in enumerate(n_cells):
+        picks = _draw(rng, n_ctrl_pool, n)
+        # float32 change added to float32 cells: the memory of the output, never float64.
+        np.maximum(ctrl_X[picks] + delta[p].astype(np.float32), 0.0, out=X[start : start + n])
+        source.append(picks)
+        obs_label.append(np.full(n, labels[p], dtype=object))
+        obs_cond.append(np.full(n, conditions[p], dtype=object))
+        start += n
+    source = np.concatenate(source)
+    label_col = np.concatenate(obs_label)
+    ctrl_names = controls.obs_names.astype(str).values
+    names = [f"{ctrl_names[i]}" for i in ctrl_idx] + [
+        f"pred{k:07d}-{lab}" for k, lab in enumerate(label_col[len(ctrl_idx) :])
+    ]
+    obs = pd.DataFrame(
+        {
+            condition_key: pd.Categorical(label_col),
+            "gears_condition": pd.Categorical(np.concatenate(obs_cond)),
+            "control_cell": ctrl_names[source],
+            "predicted": np.r_[np.zeros(len(ctrl_idx), bool), np.ones(sum(n_cells), bool)],
+        },
+        index=pd.Index(names),
+    )
+    out = ad.AnnData(X=X, obs=obs, var=pd.DataFrame(index=controls.var_names.astype(str)))
+    out.obs_names_make_unique()  # more control cells asked than saved: a cell appears twice
+    if logvar is not None:
+        layer = np.full(X.shape, np.nan, dtype=np.float32)
+        rows = np.repeat(np.arange(len(n_cells)), n_cells)
+        layer[len(ctrl_idx) :] = np.asarray(logvar, dtype=np.float32)[rows]
+        out.layers[UNCERTAINTY_LAYER] = layer
+    if ctrl_mean is not None:
+        mean = {
+            "perturbations": np.asarray(labels, dtype=str),
+            "conditions": np.asarray(conditions, dtype=str),
+            "mean": (delta + np.asarray(ctrl_mean, dtype=np.float64)[None, :]),
+        }
+        if logvar is not None:
+            mean["confidence"] = np.exp(-np.asarray(logvar, dtype=np.float64).mean(axis=1))
+        out.uns[MEAN_KEY] = mean
+    out.uns["gears_condition_key"] = condition_key
+    out.uns["gears_control_label"] = control_label
+    return out
+
+
+def data_spelling(
+    conditions: Sequence[str], labels: Sequence[str], spelling: dict[str, str]
+) -> list[str]:
+    """Labels in the training data's own spelling: its name for a condition it holds, the bare
+    symbol for a single when the data writes singles bare (the challenge's 'KLF1'), else the
+    label as asked."""
+    bare = any("+" not in raw for cond, raw in spelling.items() if len(condition_genes(cond)) == 1)
+    out = []
+    for condition, label in zip(conditions, labels):
+        genes = condition_genes(condition)
+        if condition in spelling:
+            out.append(spelling[condition])
+        elif bare and len(genes) == 1:
+            out.append(genes[0])
+        else:
+            out.append(label)
+    return out
+
+
+def _draw(rng: np.random.Generator, pool: int, n: int) -> np.ndarray:
+    """n indices into range(pool): a permutation while they last, then with replacement."""
+    full, rest = divmod(n, pool)
+    parts = [rng.permutation(pool) for _ in range(full)]
+    parts.append(rng.choice(pool, size=rest, replace=False))
+    return np.concatenate(parts).astype(np.int64)
+
+
+def predict_cells(
+    model,
+    info: dict,
+    controls: ad.AnnData,
+    labels: Sequence[str],
+    n_cells: Sequence[int],
+    n_control: int | None = None,
+    seed: int = 0,
+) -> ad.AnnData:
+    """Predicted AnnData for perturbations spelled as the data spells them (see prediction_adata).
+
+    One network forward per chunk of perturbations (gears.evaluate.predict_deltas), never one
+    per cell.
+    """
+    from gears.evaluate import predict_deltas
+
+    control_names = [info.get("control_label", CTRL)]
+    conditions = resolve_perturbations(labels, model.pert_data.node_map_pert, control_names)
+    labels = data_spelling(conditions, labels, info.get("condition_spelling", {}))
+    rows = model._pert_rows([condition_genes(c) for c in conditions])
+    delta, logvar = predict_deltas(model.model, rows)
+    return prediction_adata(
+        labels,
+        conditions,
+        delta,
+        n_cells,
+        controls,
+        info.get("condition_key", "condition"),
+        info.get("control_label", CTRL),
+        n_control=n_control,
+        seed=seed,
+        logvar=logvar,
+        ctrl_mean=model.ctrl_expression,
+    )
+
+
+# -------------------------------------------------------------------------------- cell-eval
+def require_cell_eval() -> None:
+    """Raise GearsInputError with the install line when cell-eval is not importable."""
+    try:
+        import cell_eval  # noqa: F401
+    except ImportError:
+        raise GearsInputError(CELL_EVAL_INSTALL) from None
+
+
+def cell_eval_scores(
+    pred: ad.AnnData,
+    real: ad.AnnData,
+    pert_col: str,
+    control_label: str,
+    outdir: str | Path,
+    threads: int = 1,
+    de_real: str | Path | None = None,
+) -> dict[str, float]:
+    """cell-eval's `vcc` profile (DE overlap, perturbation discrimination, MAE) on predicted vs
+    real cells: its per-metric mean over perturbations. Its per-perturbation and aggregate CSVs
+    and DE tables (real_de.csv, pred_de.csv) are written to outdir; de_real reuses a real_de.csv
+    of the same real cells. Both AnnData need the same genes in the same order and the same
+    perturbation labels in obs[pert_col], control included."""
+    require_cell_eval()
+    import logging
+
+    from cell_eval import MetricsEvaluator
+
+    # cell-eval warns when its output folder exists; ours are fresh per run or overwritten.
+    logging.getLogger("cell_eval").setLevel(logging.ERROR)
+    evaluator = MetricsEvaluator(
+        adata_pred=pred,
+        adata_real=real,
+        control_pert=control_label,
+        pert_col=pert_col,
+        num_threads=threads,
+        outdir=str(outdir),
+        de_real=None if de_real is None else str(de_real),
+    )
+    _, agg = evaluator.compute(profile=CELL_EVAL_PROFILE, write_csv=True)
+    row = agg.filter(agg["statistic"] == "mean").drop("statistic").to_dicts()[0]
+    scores = {k: (None if v is None else float(v)) for k, v in row.items()}
+    labels = set(pred.obs[pert_col].astype(str))
+    scores["n_perturbations"] = len(labels - {control_label})
+    return scores
+
+
+def real_cells_for_scoring(
+    path: str | Path,
+    info: dict,
+    gene_names: Sequence[str],
+    pred: ad.AnnData,
+) -> tuple[ad.AnnData, ad.AnnData]:
+    """A real .h5ad (the data's layout) -> (real cells, pred cells) ready for cell-eval: real
+    labels re-spelled as the prediction's, genes in the model's order, raw counts normalised as
+    in training, both restricted to the perturbations they share (plus control)."""
+    from gears.data.conditions import canonicalize_conditions, detect_condition_key
+    from gears.data.pertdata import gene_names_of
+
+    path = Path(path)
+    if not path.is_file():
+        raise GearsInputError(f"--real file {path} does not exist")
+    real = ad.read_h5ad(path)
+    key = info.get("condition_key", "condition")
+    key = detect_condition_key(real.obs.columns, key if key in real.obs else None)
+    control_label = info.get("control_label", CTRL)
+    canon = canonicalize_conditions(real.obs[key].astype(str).values, control_names=[control_label])
+    pred_key = pred.uns.get("gears_condition_key", key)
+    label_of = dict(zip(pred.obs["gears_condition"].astype(str), pred.obs[pred_key].astype(str)))
+    label_of[CTRL] = control_label
+    keep = np.isin(canon, list(label_of))
+    if not (canon[keep] != CTRL).any():
+        raise GearsInputError(f"{path} has no cells of the predicted perturbations in obs[{key!r}]")
+    if not (canon[keep] == CTRL).any():
+        raise GearsInputError(f"{path} has no control cells ({control_label!r}) in obs[{key!r}]")
+    canon = canon[keep]
+    column = pd.Index(gene_names_of(real)).get_indexer(list(gene_names))
+    if (column < 0).any():
+        missing = [g for g, c in zip(gene_names, column) if c < 0]
+        raise GearsInputError(
+            f"{path} lacks {len(missing)} of the model's genes, e.g. {missing[:10]}"
+        )
+    X = real.X[np.flatnonzero(keep)][:, column]
+    X = sp.csr_matrix(X, dtype=np.float32) if sp.issparse(X) else np.asarray(X, np.float32)
+    values = X.data if sp.issparse(X) else X
+    target = info.get("normalize_target_sum")
+    if target is not None and np.all(values == np.round(values)):
+        import scanpy as sc
+
+        work = ad.AnnData(X=X)
+        sc.pp.normalize_total(work, target_sum=target)
+        sc.pp.log1p(work)
+        X = work.X
+    obs = pd.DataFrame(
+        {pred_key: pd.Categorical([label_of[c] for c in canon])},
+        index=real.obs_names.astype(str)[keep],
+    )
+    real_out = ad.AnnData(X=X, obs=obs, var=pd.DataFrame(index=list(gene_names)))
+    shared = set(obs[pred_key].astype(str))
+    dropped = sorted(set(pred.obs[pred_key].astype(str)) - shared)
+    if dropped:
+        print(
+            f"scoring without {len(dropped)} predicted perturbation(s) absent from {path}: "
+            f"{dropped[:10]}",
+            flush=True,
+        )
+        pred = pred[pred.obs[pred_key].astype(str).isin(shared).values].copy()
+    return real_out, pred
+
+
+def score_test_set(
+    pert_data,
+    conditions: Sequence[str],
+    deltas: dict[str, np.ndarray],
+    outdir: str | Path,
+    seed: int = 0,
+    threads: int = 1,
+) -> dict[str, dict[str, float]]:
+    """cell-eval on a run's test perturbations: for each predictor (GEARS, baselines), cells =
+    control cell + its predicted change [C, G] (rows NaN where it has no prediction), as many
+    per perturbation as the real test cells; the real side is the test cells and the same
+    control sample. Returns predictor -> cell-eval metric means."""
+    require_cell_eval()
+    key = pert_data.condition_key
+    spelling = pert_data.condition_spelling
+    control_label = spelling.get(CTRL, CTRL)
+    labels = [spelling.get(c, c) for c in conditions]
+    ctrl_rows = control_sample_rows(pert_data.ctrl_rows, MAX_SAVED_CONTROL_CELLS, seed)
+    X_all = pert_data.expr.numpy()
+    genes = [str(g) for g in pert_data.gene_names]
+    controls = ad.AnnData(
+        X=_csr_rows(X_all, ctrl_rows),
+        obs=pd.DataFrame(index=pert_data.adata.obs_names.astype(str).values[ctrl_rows]),
+        var=pd.DataFrame(index=genes),
+    )
+    ids = np.array([pert_data.cond_to_id[c] for c in conditions], dtype=np.int64)
+    test_rows = np.flatnonzero(np.isin(pert_data.cell_condition, ids))
+    rows = np.r_[ctrl_rows, test_rows]
+    id_label = dict(zip(ids.tolist(), labels))
+    real_labels = [control_label] * len(ctrl_rows) + [
+        id_label[i] for i in pert_data.cell_condition[test_rows].tolist()
+    ]
+    real_all = ad.AnnData(
+        X=_csr_rows(X_all, rows),
+        obs=pd.DataFrame(
+            {key: pd.Categorical(real_labels)},
+            index=pert_data.adata.obs_names.astype(str).values[rows],
+        ),
+        var=pd.DataFrame(index=genes),
+    )
+    n_real = pd.Series(real_labels[len(ctrl_rows) :]).value_counts()
+    scores = {}
+    real_de = {}  # the real side's DE (the slow part) once per set of perturbations scored
+    for name, delta in deltas.items():
+        covered = ~np.isnan(delta).any(axis=1)
+        if not covered.any():
+            continue
+        keep = [i for i in range(len(conditions)) if covered[i]]
+        pred = prediction_adata(
+            [labels[i] for i in keep],
+            [conditions[i] for i in keep],
+            delta[keep],
+            [int(n_real[labels[i]]) for i in keep],
+            controls,
+            key,
+            control_label,
+            seed=seed,
+        )
+        wanted = {control_label, *(labels[i] for i in keep)}
+        real = real_all[real_all.obs[key].astype(str).isin(wanted).values].copy()
+        shared_de = real_de.get(frozenset(wanted))
+        scores[name] = cell_eval_scores(
+            pred, real, key, control_label, Path(outdir) / name, threads, shared_de
+        )
+        real_de.setdefault(frozenset(wanted), Path(outdir) / name / "real_de.csv")
+    return scores
+
+
+def print_cell_eval_table(scores: dict[str, dict[str, float]]) -> None:
+    """cell-eval's vcc metrics, one column per predictor."""
+    if not scores:
+        return
+    cols = list(scores)
+    metrics = [m for m in next(iter(scores.values())) if m != "n_perturbations"]
+    width = max(len(m) for m in [*metrics, "n_perturbations"]) + 2
+    print(
+        f"\ncell-eval ({CELL_EVAL_PROFILE} profile; mean over perturbations: lower mae is "
+        "better, higher overlap / discrimination is better)"
+    )
+    print("metric".ljust(width) + "".join(c.rjust(12) for c in cols))
+    for m in [*metrics, "n_perturbations"]:
+        cells = []
+        for c in cols:
+            v = scores[c].get(m)
+            text = "-" if v is None else (str(v) if m == "n_perturbations" else f"{v:.4f}")
+            cells.append(text.rjust(12))
+        print(m.ljust(width) + "".join(cells))

@@ -1,0 +1,233 @@
+"""predict.py: predicted cells as AnnData (the Virtual Cell Challenge layout), its inputs and
+errors, GEARS.predict agreement, batching, and cell-eval scoring of a prediction."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import anndata as ad
+import numpy as np
+import pandas as pd
+import pytest
+import scipy.sparse as sp
+from vcc_helpers import HAS_CELL_EVAL, NO_CELL_EVAL, ROOT
+
+from gears import checkpoint as ckpt
+from gears.api import GEARS
+from gears.data.pertdata import PertData
+from gears.data.synthetic import write_pert_counts
+from gears.predict import MEAN_KEY, UNCERTAINTY_LAYER, load_model, predict_cells
+from gears.run import guarded
+from predict import main as predict_main
+
+CONTROL = "non-targeting"
+
+
+def _genes(vcc_run) -> list[str]:
+    return json.loads((vcc_run["model"] / "config.json").read_text())["gene_names"]
+
+
+def _perturbations(vcc_run) -> tuple[list[str], str]:
+    """Two perturbations seen in the file and one measured gene never perturbed."""
+    raw = ad.read_h5ad(vcc_run["h5ad"])
+    seen = sorted(set(raw.obs["target_gene"].astype(str)) - {CONTROL})
+    unseen = next(g for g in _genes(vcc_run) if g not in seen)
+    return seen[:2] + [unseen], unseen
+
+
+def _dense(X) -> np.ndarray:
+    return X.toarray() if sp.issparse(X) else np.asarray(X)
+
+
+@pytest.fixture(scope="module")
+def prediction(vcc_run, tmp_path_factory):
+    labels, _ = _perturbations(vcc_run)
+    out = tmp_path_factory.mktemp("pred") / "pred.h5ad"
+    predict_main(
+        [
+            "--model",
+            str(vcc_run["model"]),
+            "--perturbations",
+            ",".join(labels),
+            "--cells-per-perturbation",
+            "7",
+            "--out",
+            str(out),
+        ]
+    )
+    return labels, out
+
+
+def test_output_round_trips_with_documented_obs_var_layers_uns(vcc_run, prediction):
+    labels, out = prediction
+    pred = ad.read_h5ad(out)
+    assert list(pred.var_names) == _genes(vcc_run), "genes in the training order"
+    counts = pred.obs["target_gene"].astype(str).value_counts()
+    assert {g: counts[g] for g in labels} == {g: 7 for g in labels}
+    assert counts[CONTROL] == ad.read_h5ad(vcc_run["model"] / "control_cells.h5ad").n_obs
+    assert set(counts.index) == {CONTROL, *labels}, "the input's spelling: bare symbols"
+    assert (pred.obs["predicted"] == (pred.obs["target_gene"] != CONTROL)).all()
+    assert set(pred.obs["gears_condition"].astype(str)) == {"ctrl", *(f"{g}+ctrl" for g in labels)}
+    assert (_dense(pred.X) >= 0).all()
+    mean = pred.uns[MEAN_KEY]
+    assert list(mean["perturbations"]) == labels
+    assert mean["mean"].shape == (len(labels), pred.n_vars)
+    assert len(mean["confidence"]) == len(labels)
+    layer = pred.layers[UNCERTAINTY_LAYER]  # the model has the uncertainty head
+    is_pred = pred.obs["predicted"].values
+    assert np.isnan(layer[~is_pred]).all() and np.isfinite(layer[is_pred]).all()
+
+
+def test_each_cell_is_a_real_control_cell_plus_the_predicted_change(vcc_run, prediction):
+    labels, out = prediction
+    pred = ad.read_h5ad(out)
+    controls = ad.read_h5ad(vcc_run["model"] / "control_cells.h5ad")
+    ctrl_X = _dense(controls.X)
+    row_of = {name: i for i, name in enumerate(controls.obs_names)}
+    ctrl_mean = ckpt.load(vcc_run["model"] / "model.pt")["ctrl_expression"]
+    mean = pred.uns[MEAN_KEY]
+    X = _dense(pred.X)
+    for p, label in enumerate(labels):
+        rows = np.flatnonzero(pred.obs["target_gene"].astype(str).values == label)
+        source = [row_of[c] for c in pred.obs["control_cell"].values[rows]]
+        assert len(set(source)) == len(source), "distinct control cells while they last"
+        change = (mean["mean"][p] - ctrl_mean).astype(np.float32)
+        expected = np.maximum(ctrl_X[source] + change, 0)
+        np.testing.assert_allclose(X[rows], expected, rtol=0, atol=1e-5)
+        # Per-cell uncertainty is the perturbation's (the network sees no cell).
+        assert np.allclose(
+            pred.layers[UNCERTAINTY_LAYER][rows], pred.layers[UNCERTAINTY_LAYER][rows[0]]
+        )
+    control_rows = np.flatnonzero(~pred.obs["predicted"].values)
+    np.testing.assert_array_equal(X[control_rows], ctrl_X)
+
+
+def test_per_perturbation_means_equal_gears_predict(vcc_run, prediction):
+    labels, out = prediction
+    cfg = vcc_run["cfg"]
+    pert_data = PertData(cfg.data.data_dir, gene2go=cfg.data.gene2go, verbose=False).load(
+        data_path=vcc_run["h5ad"], normalize=cfg.data.normalize
+    )
+    model = GEARS(pert_data, device="cpu").load_pretrained(vcc_run["model"])
+    expected, confidence = model.predict([[g] for g in labels])
+    mean = ad.read_h5ad(out).uns[MEAN_KEY]
+    for p, label in enumerate(labels):
+        np.testing.assert_allclose(mean["mean"][p], expected[label], rtol=0, atol=1e-12)
+        assert mean["confidence"][p] == pytest.approx(confidence[label], rel=1e-9)
+
+
+def test_vcc_counts_file_sets_cells_per_perturbation(vcc_run, tmp_path):
+    raw = ad.read_h5ad(vcc_run["h5ad"])
+    labels, unseen = _perturbations(vcc_run)
+    counts = write_pert_counts(raw, tmp_path / "pert_counts_Validation.csv", labels[:2])
+    frame = pd.read_csv(counts)
+    assert list(frame.columns) == ["target_gene", "n_cells", "median_umi_per_cell"]
+    frame.loc[len(frame)] = [unseen, 3, 1000.0]
+    frame.loc[len(frame)] = [CONTROL, 5, 1000.0]  # a control row sets the control cells
+    frame.to_csv(counts, index=False)
+    out = tmp_path / "val.h5ad"
+    pred = predict_main(
+        ["--model", str(vcc_run["model"]), "--counts", str(counts), "--out", str(out)]
+    )
+    got = ad.read_h5ad(out).obs["target_gene"].astype(str).value_counts().to_dict()
+    assert got == {**dict(zip(frame["target_gene"], frame["n_cells"]))}
+    assert pred.n_obs == frame["n_cells"].sum()
+
+
+def test_one_forward_per_chunk_of_perturbations_not_per_cell(vcc_run):
+    model, info, controls = load_model(vcc_run["model"])
+    calls = []
+    handle = model.model.register_forward_hook(lambda *a: calls.append(1))
+    labels, _ = _perturbations(vcc_run)
+    pred = predict_cells(model, info, controls, labels, [400, 300, 200])
+    handle.remove()
+    assert pred.n_obs == controls.n_obs + 900
+    assert len(calls) == 1
+
+
+def _run_cli(argv, capsys) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as stop:
+        guarded(lambda: predict_main(argv))
+    return stop.value.code, capsys.readouterr().err
+
+
+def test_genes_outside_the_vocabulary_are_listed_exit_2(vcc_run, tmp_path, capsys):
+    labels, _ = _perturbations(vcc_run)
+    argv = ["--model", str(vcc_run["model"]), "--out", str(tmp_path / "p.h5ad")]
+    code, err = _run_cli([*argv, "--perturbations", f"NOPE1,{labels[0]},NOPE2"], capsys)
+    assert code == 2 and "NOPE1" in err and "NOPE2" in err and "vocabulary" in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert not (tmp_path / "p.h5ad").exists()
+
+
+def test_bad_requests_exit_2_with_one_line(vcc_run, tmp_path, capsys):
+    model = str(vcc_run["model"])
+    out = str(tmp_path / "p.h5ad")
+    bad_counts = tmp_path / "bad.csv"
+    bad_counts.write_text("target_gene,cells\nSG0001,3\n")
+    cases = {
+        "n_cells": ["--model", model, "--counts", str(bad_counts), "--out", out],
+        "not a saved GEARS model": ["--model", str(tmp_path), "--perturbations", "A", "--out", out],
+        "control": ["--model", model, "--perturbations", CONTROL, "--out", out],
+        "names no perturbation": ["--model", model, "--perturbations", " , ", "--out", out],
+        "must end in .h5ad": ["--model", model, "--perturbations", "A", "--out", "p.csv"],
+    }
+    for needle, argv in cases.items():
+        code, err = _run_cli(argv, capsys)
+        assert code == 2 and needle in err and err.count("\n") == 1, (needle, err)
+
+
+def test_perturbation_file_one_a_line(vcc_run, tmp_path):
+    labels, _ = _perturbations(vcc_run)
+    listing = tmp_path / "perts.txt"
+    listing.write_text("# requested\n" + "\n".join(labels) + "\n\n")
+    out = tmp_path / "p.h5ad"
+    argv = ["--model", str(vcc_run["model"]), "--perturbations", str(listing)]
+    pred = predict_main(
+        [*argv, "--cells-per-perturbation", "2", "--control-cells", "4", "--out", str(out)]
+    )
+    assert pred.obs["target_gene"].astype(str).value_counts().to_dict() == {
+        CONTROL: 4,
+        **{g: 2 for g in labels},
+    }
+
+
+def test_real_file_is_scored_with_cell_eval(vcc_run, prediction, tmp_path):
+    if not HAS_CELL_EVAL:
+        pytest.skip(NO_CELL_EVAL)
+    labels, _ = prediction
+    out = tmp_path / "scored.h5ad"
+    argv = ["--model", str(vcc_run["model"]), "--perturbations", ",".join(labels)]
+    # The real file is the raw-count training file itself: its counts are normalised as in
+    # training; the never-perturbed gene is absent from it and is left out of the scores.
+    predict_main([*argv, "--out", str(out), "--real", str(vcc_run["h5ad"])])
+    scores = json.loads((tmp_path / "scored.metrics.json").read_text())["cell_eval"]["gears"]
+    assert scores["n_perturbations"] == 2
+    for metric in ("mae", "overlap_at_N", "discrimination_score_l1"):
+        assert scores[metric] is not None and math.isfinite(scores[metric])
+    assert (tmp_path / "scored_cell_eval" / "results.csv").exists()
+
+
+@pytest.mark.slow
+def test_command_line_exit_code_2(vcc_run, tmp_path):
+    """The script itself (not only main()): bad input is one line on stderr and status 2."""
+    out = tmp_path / "cli.h5ad"
+    cmd = [sys.executable, "predict.py", "--model", str(vcc_run["model"]), "--out", str(out)]
+    bad = subprocess.run(
+        [*cmd, "--perturbations", "NOT_A_GENE"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and bad.stderr.startswith("error:") and "NOT_A_GENE" in bad.stderr
+    assert bad.stderr.count("\n") == 1 and not out.exists()
+
+
+def test_labels_follow_the_training_datas_spelling(vcc_run):
+    model, info, controls = load_model(vcc_run["model"])
+    labels, unseen = _perturbations(vcc_run)
+    asked = [f"{labels[0]}+ctrl", f"ctrl+{unseen}"]
+    pred = predict_cells(model, info, controls, asked, [2, 2])
+    # The challenge's file writes singles as bare symbols: so does the prediction.
+    assert set(pred.obs["target_gene"].astype(str)) == {CONTROL, labels[0], unseen}
+    assert list(pred.uns[MEAN_KEY]["perturbations"]) == [labels[0], unseen]

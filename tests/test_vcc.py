@@ -1,0 +1,186 @@
+"""Input as users have it: the Virtual Cell Challenge layout, condition-column detection, control
+spellings, raw counts (data.normalize=log1p), configs/vcc.yaml, and cell-eval scores in runs."""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import anndata as ad
+import numpy as np
+import pandas as pd
+import pytest
+import scanpy as sc
+import scipy.sparse as sp
+import torch
+from vcc_helpers import HAS_CELL_EVAL, NO_CELL_EVAL, ROOT, VCC_PARAMS, write_vcc_files
+
+from gears.config import load_config
+from gears.data.conditions import detect_condition_key
+from gears.data.pertdata import PertData
+from gears.data.synthetic import make_vcc_layout, write_gene2go_tsv, write_vcc_example
+from gears.distributed import DistEnv
+from gears.errors import GearsInputError
+from gears.predict import require_cell_eval
+from gears.run import run
+
+CELL_EVAL_METRICS = ("mae", "overlap_at_N", "discrimination_score_l1")
+
+
+@pytest.fixture(scope="module")
+def vcc_files(tmp_path_factory):
+    return write_vcc_files(tmp_path_factory.mktemp("vcc_files"))
+
+
+def test_vcc_layout_is_the_challenge_layout():
+    adata, gene2go = make_vcc_layout(**VCC_PARAMS)
+    assert list(adata.obs.columns) == ["target_gene", "guide_id", "batch"]
+    assert "gene_id" in adata.var and adata.var["gene_id"].str.startswith("ENSG").all()
+    assert sp.issparse(adata.X) and adata.X.dtype == np.float32
+    assert np.array_equal(adata.X.data, np.round(adata.X.data)), "X must hold raw counts"
+    target = adata.obs["target_gene"].astype(str)
+    assert (target == "non-targeting").sum() == VCC_PARAMS["n_control_cells"]
+    singles = set(target) - {"non-targeting"}
+    assert len(singles) == VCC_PARAMS["n_perturbations"]
+    assert all("+" not in s and s in adata.var_names for s in singles), "bare gene symbols"
+    assert singles <= set(gene2go)
+
+
+def test_condition_column_is_detected_and_printed(vcc_files, tmp_path, capsys):
+    h5ad, gene2go = vcc_files
+    p = PertData(tmp_path, gene2go=gene2go).load(data_path=h5ad, normalize="log1p")
+    assert "obs['target_gene']" in capsys.readouterr().out
+    assert p.condition_key == "target_gene"
+    assert p.condition_spelling["ctrl"] == "non-targeting"
+    raw = ad.read_h5ad(h5ad)
+    n_ctrl = (raw.obs["target_gene"] == "non-targeting").sum()
+    assert len(p.ctrl_rows) == n_ctrl
+    gene = next(g for g in raw.obs["target_gene"].astype(str) if g != "non-targeting")
+    assert p.condition_spelling[f"{gene}+ctrl"] == gene
+    assert f"{gene}+ctrl" in p.conditions
+
+
+def test_detection_order_and_clear_errors():
+    assert detect_condition_key(["batch", "gene", "perturbation"]) == "perturbation"
+    assert detect_condition_key(["guide_target", "x"]) == "guide_target"
+    assert detect_condition_key(["gene", "condition"], "gene") == "gene"
+    with pytest.raises(GearsInputError, match="data.condition_key"):
+        detect_condition_key(["batch", "guide_id"])
+    with pytest.raises(GearsInputError, match="no column 'sgRNA'"):
+        detect_condition_key(["gene"], "sgRNA")
+
+
+def test_normalize_log1p_is_scanpys_median_scaling(vcc_files, tmp_path):
+    h5ad, gene2go = vcc_files
+    p = PertData(tmp_path, gene2go=gene2go, verbose=False)
+    p.load(data_path=h5ad, normalize="log1p")
+    reference = ad.read_h5ad(h5ad)
+    sc.pp.normalize_total(reference)  # target_sum=None: the median total, cell-eval's choice
+    sc.pp.log1p(reference)
+    got = p.expr.numpy()
+    got = got.toarray() if sp.issparse(got) else np.asarray(got)
+    np.testing.assert_allclose(got, reference.X.toarray(), rtol=1e-5, atol=1e-6)
+    totals = np.asarray(ad.read_h5ad(h5ad).X.sum(axis=1)).ravel()
+    assert p.normalize_target_sum == pytest.approx(float(np.median(totals)))
+    assert p.report["normalize"]["method"] == "log1p"
+    # The caller's AnnData is never normalised in place.
+    raw = ad.read_h5ad(h5ad)
+    before = raw.X.copy()
+    PertData(tmp_path / "b", gene2go=gene2go, verbose=False).new_data_process(
+        "x", raw, normalize="log1p", write=False
+    )
+    assert (raw.X != before).nnz == 0
+
+
+def test_normalize_log1p_rejects_log_normalised_data(vcc_files, tmp_path):
+    h5ad, gene2go = vcc_files
+    adata = ad.read_h5ad(h5ad)
+    sc.pp.log1p(adata)
+    with pytest.raises(GearsInputError, match="raw counts"):
+        PertData(tmp_path, gene2go=gene2go, verbose=False).new_data_process(
+            "x", adata, normalize="log1p", write=False
+        )
+
+
+def test_control_names_for_other_control_spellings(vcc_files, tmp_path):
+    h5ad, gene2go = vcc_files
+    adata = ad.read_h5ad(h5ad)
+    adata.obs["target_gene"] = (
+        adata.obs["target_gene"].astype(str).replace("non-targeting", "NegCtrl_sg1")
+    )
+    path = tmp_path / "negctrl.h5ad"
+    adata.write_h5ad(path)
+    with pytest.raises(GearsInputError, match="no control cells"):
+        PertData(tmp_path, gene2go=gene2go, verbose=False).load(data_path=path)
+    p = PertData(tmp_path, gene2go=gene2go, verbose=False).load(
+        data_path=path, control_names=("NegCtrl_sg1",), normalize="log1p"
+    )
+    assert p.condition_spelling["ctrl"] == "NegCtrl_sg1"
+    assert len(p.ctrl_rows) == VCC_PARAMS["n_control_cells"]
+
+
+def test_vcc_config_reads_the_challenge_file_as_documented():
+    cfg = load_config(ROOT / "configs" / "vcc.yaml", base=ROOT / "configs" / "default.yaml")
+    assert cfg.data.dataset.endswith("adata_Training.h5ad")
+    assert cfg.data.condition_key == "target_gene"
+    assert cfg.data.normalize == "log1p"
+    assert cfg.split.type == "simulation_single"
+    with pytest.raises(GearsInputError, match="data.normalize"):
+        load_config(overrides=["data.normalize=cp10k"])
+
+
+def test_vcc_file_trains_and_cell_eval_scores_land_in_metrics(vcc_run):
+    metrics = vcc_run["metrics"]
+    assert metrics["test"]["n_conditions"] >= 1 and math.isfinite(metrics["test"]["mse"])
+    assert (vcc_run["model"] / "control_cells.h5ad").exists()
+    if not HAS_CELL_EVAL:
+        pytest.skip(NO_CELL_EVAL)
+    scores = metrics["cell_eval"]
+    assert set(scores) == {"gears", *metrics["baselines"]}
+    for name, row in scores.items():
+        assert row["n_perturbations"] == metrics["test"]["n_conditions"], name
+        for metric in CELL_EVAL_METRICS:
+            assert row[metric] is not None and math.isfinite(row[metric]), (name, metric)
+    # GEARS's cells and the no-change baseline's differ, so their MAE does too.
+    assert scores["gears"]["mae"] != scores["no_change"]["mae"]
+    assert (vcc_run["out"] / "cell_eval" / "gears" / "agg_results.csv").exists()
+
+
+def test_missing_cell_eval_says_how_to_install(vcc_files, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "cell_eval", None)  # import cell_eval -> ImportError
+    with pytest.raises(GearsInputError, match="pip install -r requirements-eval.txt"):
+        require_cell_eval()
+    h5ad, gene2go = vcc_files
+    cfg = load_config(
+        ROOT / "configs" / "vcc.yaml",
+        [f"data.dataset={h5ad}", f"data.gene2go={gene2go}", f"out_dir={tmp_path / 'run'}"],
+    )
+    cfg.eval.cell_eval = True
+    with pytest.raises(GearsInputError, match="requirements-eval.txt"):
+        run(cfg, DistEnv(device=torch.device("cpu")))  # before any training
+    assert not (tmp_path / "run" / "metrics.json").exists()
+
+
+def test_generator_writes_go_source_the_loader_reads(tmp_path):
+    adata, gene2go = make_vcc_layout(**VCC_PARAMS)
+    path = write_gene2go_tsv(gene2go, tmp_path / "g.tsv")
+    p = PertData(tmp_path, gene2go=path, verbose=False).new_data_process(
+        "vcc", adata, normalize="log1p", write=False
+    )
+    assert set(p.pert_names) == set(adata.var_names)
+
+
+def test_example_files_hold_out_perturbations_with_their_real_cells(tmp_path):
+    paths = write_vcc_example(tmp_path, **VCC_PARAMS)
+    train = ad.read_h5ad(paths["training"]).obs["target_gene"].astype(str)
+    val = ad.read_h5ad(paths["validation"]).obs["target_gene"].astype(str)
+    held_out = set(val) - {"non-targeting"}
+    assert held_out and not held_out & set(train)
+    assert (train == "non-targeting").sum() + (val == "non-targeting").sum() == VCC_PARAMS[
+        "n_control_cells"
+    ]
+    counts = pd.read_csv(paths["counts"])
+    assert (
+        dict(zip(counts["target_gene"], counts["n_cells"]))
+        == val[val != "non-targeting"].value_counts().to_dict()
+    )
