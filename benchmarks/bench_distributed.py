@@ -144,7 +144,9 @@ def worker(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
-    torch.set_num_threads(threads)
+    from gears.runtime import set_threads
+
+    set_threads(threads)
     env = init_distributed("cpu", "gloo", timeout_s=300)
     try:
         result = time_rank(

@@ -55,6 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=None,
         help="before measuring, wait (up to 15 min) for the 1-min load average to fall below this",
     )
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the figures as JSON")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # fresh-process child mode
     args = p.parse_args(argv)
     if args.quick:
@@ -81,13 +82,16 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
+from gears.runtime import tune_allocator  # noqa: E402
 
 
 # --------------------------------------------------------------------------------------- data
 def set_threads(threads: int) -> None:
-    """Pin torch's intra-op threads, and check that nothing changed them behind our back."""
-    torch.set_num_threads(threads)
-    if torch.get_num_threads() != threads:
+    """Pin torch's (and numba's) threads with the project's helper, and check that nothing
+    changed them behind our back."""
+    from gears.runtime import set_threads as pin_threads
+
+    if pin_threads(threads) != threads:
         raise RuntimeError(f"torch runs {torch.get_num_threads()} threads, asked for {threads}")
 
 
@@ -246,6 +250,7 @@ def child_main(args) -> None:
     """One configuration in a fresh process: peak RSS over warm-up + timed steps, and the
     steps' cells/s with the allocator state of a fresh training process."""
     spec = json.loads(args.child)
+    tune_allocator()
     set_threads(args.threads)
     warm = 5
     if spec["kind"] == "bare":
@@ -506,16 +511,30 @@ def wait_for_quiet(max_load: float | None, timeout_s: float = 900) -> None:
     print(f"waited {time.perf_counter() - t0:.0f}s for load < {max_load}: now {load_average()}")
 
 
+def json_figures(threads: int, rate: dict, B: int, U: int, cell_gears: float | None) -> dict:
+    """The --json document: cells/s medians, the bounds beside the engine's figures."""
+    return {
+        "threads": threads,
+        "bound": {p: rate[("bare", p, B)] for p in ("fp32", "bf16")},
+        "dedup_bound": {p: rate[("bare", p, U)] for p in ("fp32", "bf16")},
+        "engine": {f"{b}_{p}": rate[(b, p)] for b, p in ENGINE_CONFIGS},
+        "cell_gears": cell_gears,
+    }
+
+
 def main(args) -> None:
     if args.child is not None:
         return child_main(args)
+    # glibc keeps freed activations (no per-step page faults) for the bound and engine alike.
+    allocator = "tuned" if tune_allocator() else "default"
     set_threads(args.threads)
     t_start = time.perf_counter()
     print(
         f"bench_train: genes {args.genes}, hidden {args.hidden}, batch {args.batch}, "
         f"threads {args.threads} (torch {torch.get_num_threads()}, OMP_NUM_THREADS "
         f"{os.environ.get('OMP_NUM_THREADS')}), steps {args.steps} x {args.repeats} repeats"
-        f"{', quick' if args.quick else ''}; torch {torch.__version__}, {os.cpu_count()} CPUs"
+        f"{', quick' if args.quick else ''}; torch {torch.__version__}, {os.cpu_count()} CPUs, "
+        f"allocator {allocator}"
     )
     print(f"load average at start: {load_average()} (numbers are unreliable above ~1.5)")
     sections = {}
@@ -702,6 +721,10 @@ def main(args) -> None:
             f"\nWARNING: 1-min load average {before:.2f} before / {during:.2f} after the "
             "training measurements: the machine was shared and these numbers are unreliable."
         )
+    if args.json:
+        figures = json_figures(threads_used, rate, B, U, cg_rate)
+        Path(args.json).write_text(json.dumps(figures, indent=1) + "\n")
+        print(f"figures written to {args.json}")
     took = ", ".join(f"{k} {v:.0f}s" for k, v in sections.items())
     print(
         f"\nload average at end: {load_average()}; time: {took}; "

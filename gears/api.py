@@ -158,6 +158,7 @@ class GEARS:
                 batching=cfg.batching,
                 cells_per_group=cfg.cells_per_group,
                 pin_memory=self.device.type == "cuda",
+                device=self.device,
                 block_size=cfg.block_size,
             )
         if "train_loader" not in loaders:

@@ -21,6 +21,10 @@ from gears.distributed import DistEnv, all_reduce_mean, allow_tf32, barrier, bro
 from gears.errors import GearsInputError
 from gears.evaluate import Evaluator
 from gears.model.losses import gears_loss
+from gears.model.network import pad_rows, use_cell_rows
+
+# loss_on(batch, CELL_ROWS): one row per cell instead of one per distinct perturbation.
+CELL_ROWS = "cells"
 
 
 def seed_everything(seed: int) -> None:
@@ -174,6 +178,8 @@ class Trainer:
             )
         else:
             self.model = self.net
+        if train_cfg.compile:  # distinct-perturbation rows padded to a few sizes in loss_on
+            self.model = torch.compile(self.model, dynamic=False)
         self.opt = make_optimizer(self.net.parameters(), train_cfg, self.device)
         self.sched = make_scheduler(self.opt, train_cfg)
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.amp_dtype == torch.float16)
@@ -195,18 +201,32 @@ class Trainer:
         """Forward on the batch's distinct perturbations, broadcast to cells, GEARS loss.
 
         row_counts: cells per distinct perturbation, a number when equal for every row (the
-        native batch-norm kernel applies), else None to use batch.counts."""
+        native batch-norm kernel applies), CELL_ROWS for one row per cell (native kernel, same
+        statistics), else None to use batch.counts."""
         ctx = (
             torch.autocast(self.device.type, dtype=self.amp_dtype)
             if self.amp_dtype
             else contextlib.nullcontext()
         )
+        rows, counts, to_cells = batch.uniq_pert_index, row_counts, batch.inverse
+        if row_counts is None:
+            counts = batch.counts
+        elif row_counts == CELL_ROWS:
+            rows, counts, to_cells = rows[batch.inverse], 1.0, None
+        if self.cfg.compile:  # a few row counts -> a few compiled graphs, not one per batch
+            n_rows = rows.shape[0]
+            if not torch.is_tensor(counts):
+                counts = torch.full((n_rows,), float(counts), device=rows.device)
+            rows, counts = pad_rows(rows, counts)
         with ctx:
-            out = self.model(
-                batch.uniq_pert_index, batch.counts if row_counts is None else row_counts
-            )
+            out = self.model(rows, counts)
+        if self.cfg.compile:
+            out = tuple(o[:n_rows] for o in out) if isinstance(out, tuple) else out[:n_rows]
         delta, logvar = out if self.model_cfg.uncertainty else (out, None)
-        pred = delta.float()[batch.inverse] + batch.x
+        if to_cells is not None:
+            delta = delta[to_cells]
+            logvar = None if logvar is None else logvar[to_cells]
+        pred = delta.float() + batch.x
         return gears_loss(
             pred,
             batch.y,
@@ -217,9 +237,19 @@ class Trainer:
             gamma=self.model_cfg.gamma,
             direction_lambda=self.model_cfg.direction_lambda,
             direction_temperature=self.model_cfg.direction_temperature,
-            logvar=None if logvar is None else logvar.float()[batch.inverse],
+            logvar=None if logvar is None else logvar.float(),
             uncertainty_reg=self.model_cfg.uncertainty_reg,
         )
+
+    def row_layout(self, counts: torch.Tensor) -> float | str | None:
+        """loss_on's row_counts for a batch with these host counts [U]: the common count when
+        equal (native batch-norm), CELL_ROWS when deduplication removes few rows (unless
+        compiled: padded distinct rows keep the compiled shapes few), else None (weighted)."""
+        if bool((counts == counts[0]).all()):
+            return float(counts[0])
+        if not self.cfg.compile and use_cell_rows(counts.shape[0], int(counts.sum())):
+            return CELL_ROWS
+        return None
 
     def train_epoch(self, loader, epoch: int, progress: bool = True) -> tuple[float, int]:
         """One pass over this rank's shard. Returns (mean loss over ranks, cells seen by all)."""
@@ -250,8 +280,7 @@ class Trainer:
         for i, batch in enumerate(loader):
             if i == n_batches:
                 break
-            counts = batch.counts  # still on the host: checking it costs no device sync
-            uniform = float(counts[0]) if bool((counts == counts[0]).all()) else None
+            layout = self.row_layout(batch.counts)  # host tensor: costs no device sync
             batch = batch.to(self.device, non_blocking=True)
             last_micro = (i + 1) % accum == 0 or i + 1 == n_batches
             sync = (
@@ -260,7 +289,7 @@ class Trainer:
                 else contextlib.nullcontext()
             )
             with sync:
-                loss = self.loss_on(batch, uniform)
+                loss = self.loss_on(batch, layout)
                 self.scaler.scale(loss / accum).backward()
             loss_sum += loss.detach()
             cells += len(batch)

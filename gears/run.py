@@ -15,6 +15,7 @@ import numpy as np
 from gears.config import Config, load_config
 from gears.distributed import DistEnv, build_in_stages, release
 from gears.errors import GearsInputError
+from gears.runtime import set_threads, tune_allocator
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = ROOT / "configs" / "default.yaml"
@@ -73,6 +74,9 @@ def load_pert_data(cfg: Config, env: DistEnv, store=None):
             gene_aliases=cfg.data.gene_aliases,
             keep_unmapped_perts=cfg.data.keep_unmapped_perts,
             verbose=env.is_main,
+            store=cfg.data.store,
+            store_dir=cfg.data.store_dir,
+            chunk_cells=cfg.data.chunk_cells,
         )
         if cfg.data.dataset == "synthetic":
             pd_.load("synthetic", synthetic_params=cfg.data.synthetic)
@@ -192,6 +196,8 @@ def run(cfg: Config, env: DistEnv, pert_data=None) -> dict | None:
         cfg.save(out / "config.yaml")
     if pert_data is None:
         pert_data = load_pert_data(cfg, env)
+    set_threads(cfg.train.threads)  # after the data: scanpy's numba DE resets torch's pool
+    tune_allocator()  # glibc keeps freed activations: no per-step page faults
     wandb_run = init_wandb(cfg, env)
     model = GEARS(pert_data, env=env, wandb_run=wandb_run, out_dir=out, seed=cfg.seed)
     seed_everything(cfg.seed)  # the same initial weights on every rank, whatever ran before

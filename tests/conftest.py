@@ -21,6 +21,19 @@ def shared_data() -> Path:
     return SHARED_DATA
 
 
+@pytest.fixture(autouse=True)
+def _restore_torch_threads():
+    """Each test starts with the session's torch thread count: a test that sets it (the DDP
+    tests pin 1 thread) or that runs scanpy's numba DE (which resets the OpenMP pool) would
+    otherwise change the float summation order of every later test."""
+    import torch
+
+    before = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != before:
+        torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def vcc_run(tmp_path_factory) -> dict:
     """A tiny model trained on a synthetic VCC-layout file (tests/vcc_helpers.py)."""

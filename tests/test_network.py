@@ -529,3 +529,96 @@ def test_bf16_autocast_train_forward_close_and_backward_runs():
     for name, buf in net16.named_buffers():  # running stats stay float32 and finite
         if name.endswith(("running_mean", "running_var")):
             assert buf.dtype == torch.float32 and torch.isfinite(buf).all(), name
+
+
+# ----------------------------------------------------------------------------- fixed graphs
+def test_fixed_graph_conv_equals_pyg_sgconv():
+    """The once-normalised sparse product + Linear is PyG's SGConv(K=1): same output and input
+    gradient on a random graph with duplicate edges, existing self-loops and an isolated node,
+    and SGConv's state_dict loads into it unchanged (saved models keep loading)."""
+    from torch_geometric.nn import SGConv
+
+    from gears.model.network import FixedGraphConv, gcn_normalised_csr, graph_propagate
+
+    n, h = 30, 6
+    gen = torch.Generator().manual_seed(5)
+    ei, ew = _graph(n - 1, 120, gen)  # node n - 1 has no edge
+    ei = torch.cat([ei, ei[:, :10], torch.tensor([[3, 7], [3, 7]])], 1)  # duplicates, self-loops
+    ew = torch.cat([ew, ew[:10] * 0.5, torch.tensor([2.0, 0.3])])
+    torch.manual_seed(0)
+    ref = SGConv(h, h, K=1)
+    ours = FixedGraphConv(h, h)
+    ours.load_state_dict(ref.state_dict(), strict=True)
+    graph = gcn_normalised_csr(ei, ew, n) + gcn_normalised_csr(ei, ew, n, transpose=True)
+    x = torch.randn(n, h, generator=gen)
+    x_ref, x_ours = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y_ref, y_ours = ref(x_ref, ei, ew), ours(x_ours, graph)
+    torch.testing.assert_close(y_ours, y_ref, rtol=1e-5, atol=1e-6)
+    target = torch.randn(n, h, generator=gen)
+    ((y_ref - target) ** 3).sum().backward()
+    ((y_ours - target) ** 3).sum().backward()
+    torch.testing.assert_close(x_ours.grad, x_ref.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours.lin.weight.grad, ref.lin.weight.grad, rtol=1e-5, atol=1e-6)
+    # The isolated node keeps itself (self-loop weight 1 / degree 1), as in gcn_norm.
+    torch.testing.assert_close(graph_propagate(*graph, x)[n - 1], x[n - 1])
+
+
+def test_graph_buffers_are_listed_and_not_saved():
+    net = _make_net()
+    names = net.graph_buffer_names()
+    buffers = dict(net.named_buffers())
+    assert set(names) <= set(buffers)
+    non_norm = {
+        k for k in buffers if not k.endswith(("running_mean", "running_var", "num_batches_tracked"))
+    }
+    assert set(names) == non_norm  # every graph buffer, and only those
+    assert {"go_adj_values", "co_adj_values_t", "go_edge_index"} <= set(names)
+    assert not set(names) & set(net.state_dict())  # rebuilt from the data, never saved
+    keys = set(net.state_dict())
+    assert {"layers_emb_pos.0.lin.weight", "sim_layers.0.lin.bias"} <= keys  # PyG's keys
+
+
+def test_training_step_makes_no_host_sync(monkeypatch):
+    """No Python number becomes a tensor, and no tensor becomes a Python number, in a training
+    forward + backward (each would be a host-device synchronisation on a GPU)."""
+    nets = [_make_net().float(), _make_net().float()]
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("host sync in the training step")
+
+    for counts in (COUNTS.float(), 3.0):
+        net = nets[0] if torch.is_tensor(counts) else nets[1]
+        with monkeypatch.context() as m:
+            for name in ("tensor", "as_tensor"):
+                m.setattr(torch, name, refuse)
+            for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
+                m.setattr(torch.Tensor, name, refuse)
+            out = net(UNIQ, counts)
+            out.square().mean().backward()
+        assert int(net.bn_pert_base.num_batches_tracked) == 1
+
+
+# ----------------------------------------------------------------------------- mixed precision
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_weighted_bn_statistics_are_fp32_under_autocast(dtype):
+    """Under autocast the weighted statistics are the float64 ones of the (already rounded)
+    input within fp32 rounding; half-precision statistics were off by ~4e-3 (bf16) or
+    overflowed (fp16: unnormalised sums of 200,000 rows)."""
+    gen = torch.Generator().manual_seed(3)
+    n, c = 20_000, 4
+    x = (torch.randn(n, c, generator=gen) * 2 + 3).to(dtype)
+    w = torch.randint(1, 20, (n,), generator=gen).float()
+    bn = WeightedBatchNorm1d(c, momentum=1.0)
+    with torch.autocast("cpu", dtype=dtype):
+        y = bn(x, w)
+    assert y.dtype == dtype
+    xd, wd = x.double(), w.double() / w.double().sum()
+    mean = wd @ xd
+    var = wd @ (xd - mean) ** 2
+    n_cells = w.double().sum()
+    torch.testing.assert_close(bn.running_mean.double(), mean, rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        bn.running_var.double(), var * n_cells / (n_cells - 1), rtol=1e-5, atol=0
+    )
+    yd = (xd - mean) / torch.sqrt(var + bn.eps)
+    assert (y.double() - yd).abs().max() < 2e-2 * yd.abs().max()  # the output's own rounding

@@ -7,7 +7,6 @@ import warnings
 import anndata as ad
 import numpy as np
 import pandas as pd
-import scanpy as sc
 import scipy.sparse as sp
 
 from gears.data.conditions import CTRL
@@ -49,6 +48,8 @@ def compute_de(adata: ad.AnnData, n_top: int = 20) -> dict[str, dict[str, np.nda
     Uses scanpy's t-test with `rankby_abs=True` (as GEARS). Expects canonical `obs['condition']`
     and log-normalised X. Returns the `.uns` entries named in DE_KEYS (the caller stores them).
     """
+    import scanpy as sc  # here, not at import: the streamed path never needs it
+
     conditions = np.asarray(adata.obs["condition"].astype(str))
     groups = sorted(set(conditions) - {CTRL})
     var_names = np.asarray(adata.var_names)
@@ -75,12 +76,22 @@ def compute_de(adata: ad.AnnData, n_top: int = 20) -> dict[str, dict[str, np.nda
     codes = np.searchsorted(np.array(all_conds[1:]), conditions) + 1  # groups are sorted
     codes[conditions == CTRL] = 0
     means = condition_means(adata.X, codes, len(all_conds))
-    non_zero = means != 0
-    non_dropout = non_zero | (~non_zero & ~non_zero[0][None, :])
-
     gene_index = pd.Index(var_names)
     ranked_idx = np.stack([gene_index.get_indexer(ranked_ids[c]) for c in groups]).astype(np.int64)
-    rows = np.arange(1, len(all_conds))[:, None]
+    return de_tables(groups, ranked_idx, means, var_names, n_top)
+
+
+def de_tables(groups: list[str], ranked_idx: np.ndarray, means: np.ndarray,
+              var_names: np.ndarray, n_top: int = 20) -> dict[str, dict[str, np.ndarray]]:
+    """The DE_KEYS entries from a ranking and the condition means.
+
+    groups: the perturbed conditions, sorted; ranked_idx [groups, genes] gene indices, most DE
+    first; means [1 + groups, genes] with the control mean in row 0.
+    """
+    var_names = np.asarray(var_names)
+    non_zero = means != 0
+    non_dropout = non_zero | (~non_zero & ~non_zero[0][None, :])
+    rows = np.arange(1, len(groups) + 1)[:, None]
     top_nd = first_k_where(ranked_idx, non_dropout[rows, ranked_idx], n_top)
     top_nz = first_k_where(ranked_idx, non_zero[rows, ranked_idx], n_top)
 
@@ -88,9 +99,65 @@ def compute_de(adata: ad.AnnData, n_top: int = 20) -> dict[str, dict[str, np.nda
         return var_names[idx_row[idx_row >= 0]].astype(str)
 
     return {
-        RANK_KEY: ranked_ids,
+        RANK_KEY: {c: var_names[ranked_idx[i]].astype(str) for i, c in enumerate(groups)},
         TOP_NON_DROPOUT_KEY: {c: ids(top_nd[i]) for i, c in enumerate(groups)},
         TOP_NON_ZERO_KEY: {c: ids(top_nz[i]) for i, c in enumerate(groups)},
         NON_DROPOUT_KEY: {c: np.flatnonzero(non_dropout[i + 1]) for i, c in enumerate(groups)},
         NON_ZERO_KEY: {c: np.flatnonzero(non_zero[i + 1]) for i, c in enumerate(groups)},
     }
+
+
+def welch_scores(sums: np.ndarray, sumsq: np.ndarray, counts: np.ndarray,
+                 reference: int = 0) -> np.ndarray:
+    """Welch t statistics of every group against `reference`, from per-group sufficient statistics.
+
+    sums, sumsq [groups, genes] float64 (sums of x and of float32 x*x), counts [groups] ->
+    [groups, genes] float64 (the reference row is 0). The arithmetic follows scanpy's
+    `rank_genes_groups(method="t-test")`: mean and E[x^2] per group, variance
+    (E[x^2] - mean^2) * n / (n - 1), t = (mean - mean_ref) / sqrt(var/n + var_ref/n_ref), and NaN
+    (equal means, zero variances) set to 0.
+    """
+    counts = np.asarray(counts, dtype=np.float64)[:, None]
+    means = sums / counts
+    var = sumsq / counts - means**2
+    var *= np.where(counts != 1, counts / np.maximum(counts - 1, 1), 1.0)
+    # scipy's ttest_ind_from_stats takes std = sqrt(var): a negative rounding residue gives NaN.
+    with np.errstate(invalid="ignore", divide="ignore"):
+        std = np.sqrt(var)
+        denom = np.sqrt(std**2 / counts + std[reference] ** 2 / counts[reference])
+        scores = (means - means[reference]) / denom
+    scores[np.isnan(scores)] = 0
+    scores[reference] = 0
+    return scores
+
+
+def rank_by_abs_score(scores: np.ndarray) -> np.ndarray:
+    """Gene indices by decreasing |score| -> [genes], ties broken as scanpy's `_select_top_n`.
+
+    scanpy ranks with argpartition then an (unstable) argsort of the partition, reversed; the
+    same calls give the same order for equal scores, so the result is gene-for-gene scanpy's.
+    """
+    key = np.abs(scores)
+    n = key.shape[0]
+    partition = np.argpartition(key, -n)[-n:]
+    return partition[np.argsort(key[partition])[::-1]]
+
+
+def de_from_stats(conditions: list[str], sums: np.ndarray, sumsq: np.ndarray,
+                  counts: np.ndarray, var_names: np.ndarray, n_top: int = 20,
+                  n_ranked: int | None = None) -> dict[str, dict[str, np.ndarray]]:
+    """`compute_de` from per-condition sums and sums of squares (a streamed pass over the cells).
+
+    conditions [C] with `ctrl` first, then the perturbed conditions sorted; sums, sumsq
+    [C, genes] float64; counts [C]. n_ranked: keep only this many genes of each full ranking
+    (RANK_KEY), None = all. Equals scanpy's t-test ranking gene for gene (see welch_scores).
+    """
+    if conditions[0] != CTRL or list(conditions[1:]) != sorted(conditions[1:]):
+        raise ValueError("conditions must be ctrl first, then the perturbed ones sorted")
+    scores = welch_scores(sums, sumsq, counts, reference=0)
+    ranked_idx = np.stack([rank_by_abs_score(scores[i]) for i in range(1, len(conditions))])
+    means = sums / np.maximum(np.asarray(counts, np.float64), 1)[:, None]
+    tables = de_tables(list(conditions[1:]), ranked_idx, means, var_names, n_top)
+    if n_ranked is not None:
+        tables[RANK_KEY] = {c: v[:n_ranked] for c, v in tables[RANK_KEY].items()}
+    return tables

@@ -375,25 +375,40 @@ def go_graph(
     return _graph(genes, rows, cols, vals)
 
 
-def _abs_correlation(X) -> np.ndarray:
+def _abs_correlation(X, rows: np.ndarray | None = None) -> np.ndarray:
     """|Pearson r| between the columns of X [cells, genes] -> [genes, genes] float32.
 
+    rows: use only these cells, gathered a chunk at a time (X may be a memory-map or a CSR
+    over memory-maps: the selected cells are never copied whole).
     Constant genes correlate 0 with everything, themselves included (GEARS maps NaN to 0).
     Rows are densified a chunk at a time; the Gram matrix accumulates in place (torch addmm).
     """
-    n_cells, n_genes = X.shape
-    if sp.issparse(X):
+    if rows is None:
+        n_cells, n_genes = X.shape
+    else:
+        rows = np.asarray(rows, dtype=np.int64)
+        n_cells, n_genes = len(rows), X.shape[1]
+    chunk = max(1, (1 << 24) // max(n_genes, 1))
+
+    def part_at(start: int):
+        part = X[start : start + chunk] if rows is None else X[rows[start : start + chunk]]
+        return part.toarray() if sp.issparse(part) else np.asarray(part)
+
+    if sp.issparse(X) and rows is None:
         X = sp.csr_matrix(X)
         mean = np.asarray(X.sum(axis=0, dtype=np.float64)).ravel() / max(n_cells, 1)
-    else:
+    elif rows is None:
         X = np.asarray(X)
         mean = X.mean(axis=0, dtype=np.float64)
+    else:
+        mean = np.zeros(n_genes)
+        for start in range(0, n_cells, chunk):
+            mean += part_at(start).sum(axis=0, dtype=np.float64)
+        mean /= max(n_cells, 1)
     mean32 = torch.from_numpy(mean.astype(np.float32))
     gram = torch.zeros((n_genes, n_genes), dtype=torch.float32)
-    chunk = max(1, (1 << 24) // max(n_genes, 1))
     for start in range(0, n_cells, chunk):
-        part = X[start : start + chunk]
-        part = part.toarray() if sp.issparse(part) else part
+        part = part_at(start)
         centred = torch.from_numpy(np.asarray(part, dtype=np.float32)) - mean32
         gram.addmm_(centred.T, centred)
     norm = gram.diagonal().clamp_min(0).sqrt()
@@ -405,13 +420,15 @@ def _abs_correlation(X) -> np.ndarray:
 
 
 def coexpression_graph(
-    X, genes: Sequence[str], top_k: int = 20, threshold: float = 0.4
+    X, genes: Sequence[str], top_k: int = 20, threshold: float = 0.4,
+    rows: np.ndarray | None = None,
 ) -> GeneGraph:
     """GEARS's co-expression graph: edge weight = |Pearson r| between genes over cells.
 
     X: [cells, genes] dense numpy or scipy sparse, log-normalised expression of the control and
-    training cells. Each target keeps its ``top_k + 1`` sources of largest |r| (the self edge,
-    |r| = 1, included), then edges with |r| > ``threshold``. Constant genes have r = 0 with all
+    training cells, or of the cells ``rows`` only (gathered in chunks, never copied whole).
+    Each target keeps its ``top_k + 1`` sources of largest |r| (the self edge, |r| = 1,
+    included), then edges with |r| > ``threshold``. Constant genes have r = 0 with all
     genes, so they get no edges. Edges are sorted by target, then source.
     """
     genes = _check_graph_args(genes, top_k, threshold)
@@ -420,7 +437,7 @@ def coexpression_graph(
             f"expression matrix has shape {X.shape} but {len(genes)} genes were given; "
             "pass X as [cells, genes] with one column per gene"
         )
-    corr = _abs_correlation(X)
+    corr = _abs_correlation(X, rows)
     block = max(1, _BLOCK_ENTRIES // max(len(genes), 1))
     rows, cols, vals = [], [], []
     for start in range(0, len(genes), block):

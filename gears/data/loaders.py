@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 import numpy as np
 import scipy.sparse as sp
@@ -12,6 +14,8 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampl
 
 # Dense expression up to this many bytes; larger screens stay CSR and are densified per batch.
 DENSE_LIMIT_BYTES = 8 * 1024**3
+# A dense matrix moves onto the GPU when it takes at most this fraction of the free memory.
+GPU_FRACTION = 0.25
 
 
 class ExpressionMatrix:
@@ -28,15 +32,53 @@ class ExpressionMatrix:
             self.dense = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
             self.csr = None
 
+    @classmethod
+    def shared(cls, matrix) -> ExpressionMatrix:
+        """Wrap a memory-mapped store matrix without copying it.
+
+        matrix: a read-only np.memmap [cells, genes] float32, or a scipy CSR whose arrays are
+        memory-maps. Batches are gathered from the mapping, so the pages stay in the page cache
+        that every process on the node shares.
+        """
+        self = cls.__new__(cls)
+        self.shape = tuple(matrix.shape)
+        if sp.issparse(matrix):
+            self.dense, self.csr = None, matrix
+        else:
+            with warnings.catch_warnings():  # read-only mapping: batches are gathered copies
+                warnings.simplefilter("ignore", UserWarning)
+                self.dense = torch.from_numpy(matrix)
+            self.csr = None
+        return self
+
+    def to_device(self, device: torch.device, max_fraction: float = GPU_FRACTION) -> bool:
+        """Move a dense matrix onto a CUDA device when it fits in `max_fraction` of the free
+        memory, so batches are gathered there (GPU_REVIEW defect 9). -> whether it moved.
+
+        CPU devices and CSR matrices are left alone (batches are gathered on the host).
+        """
+        device = torch.device(device)
+        if device.type != "cuda" or self.dense is None or self.dense.device == device:
+            return False
+        free, _ = torch.cuda.mem_get_info(device)  # GPU-only line
+        if self.dense.numel() * self.dense.element_size() > max_fraction * free:
+            return False
+        self.host = self.dense  # numpy() keeps serving the host copy (evaluation, graphs)
+        self.dense = self.dense.to(device)
+        return True
+
     def rows(self, idx: np.ndarray) -> torch.Tensor:
-        """[len(idx), genes] float32."""
+        """[len(idx), genes] float32 (on the matrix's device)."""
         if self.dense is not None:
-            return self.dense[torch.from_numpy(np.asarray(idx, dtype=np.int64))]
+            index = torch.from_numpy(np.asarray(idx, dtype=np.int64))
+            return self.dense[index.to(self.dense.device, non_blocking=True)]
         return torch.from_numpy(self.csr[idx].toarray())
 
     def numpy(self):
-        """The matrix as numpy (dense) or scipy CSR, without copying the dense tensor."""
-        return self.dense.numpy() if self.dense is not None else self.csr
+        """The matrix as numpy (dense) or scipy CSR, without copying a host dense tensor."""
+        if self.dense is None:
+            return self.csr
+        return self.dense.numpy() if self.dense.device.type == "cpu" else self.host.numpy()
 
 
 def pairing_hash(seed: int, epoch: int, example: np.ndarray) -> np.ndarray:
@@ -80,6 +122,27 @@ class Batch:
         return self.cond.shape[0]
 
 
+class EpochBatch(NamedTuple):
+    """A batch request carrying its epoch, for worker processes that outlive an epoch."""
+
+    epoch: int
+    examples: list
+
+
+class _EpochTaggedSampler:
+    """Wraps a batch sampler so each request names the loader's current epoch."""
+
+    def __init__(self, batch_sampler, owner: EpochLoader):
+        self.batch_sampler, self.owner = batch_sampler, owner
+
+    def __iter__(self) -> Iterator[EpochBatch]:
+        epoch = self.owner.epoch
+        return (EpochBatch(epoch, list(b)) for b in self.batch_sampler)
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)
+
+
 class ExampleSet(Dataset):
     """The examples of one split set; `dataset[list_of_example_ids]` gathers a whole Batch.
 
@@ -115,9 +178,12 @@ class ExampleSet(Dataset):
         return np.where(self.is_ctrl[example], self.rows[example], paired)
 
     def __getitem__(self, example) -> Batch:
+        epoch = None
+        if isinstance(example, EpochBatch):  # from a persistent worker: the epoch travels along
+            epoch, example = example.epoch, example.examples
         example = np.asarray(example, dtype=np.int64)
         y_rows = self.rows[example]
-        x_rows = self.control_rows(example)
+        x_rows = self.control_rows(example, epoch)
         # One gather for x and y together keeps the copy in a single pass.
         xy = self.expr.rows(np.concatenate([x_rows, y_rows]))
         cond_np = self.cond[example]
@@ -235,10 +301,19 @@ class EpochLoader:
                  pin_memory: bool = False):
         self.dataset = dataset
         self.batch_sampler = batch_sampler
-        self.loader = DataLoader(dataset, sampler=batch_sampler, batch_size=None,
-                                 num_workers=num_workers, pin_memory=pin_memory)
+        self.epoch = 0
+        sampler, extra = batch_sampler, {}
+        if num_workers > 0:
+            # Workers persist across epochs and prefetch; they fork, so a memory-mapped or
+            # in-memory matrix is shared with them, not copied. Their copy of the dataset keeps
+            # the epoch it was forked with, so each request carries the current epoch.
+            sampler = _EpochTaggedSampler(batch_sampler, self)
+            extra = {"persistent_workers": True, "prefetch_factor": 4}
+        self.loader = DataLoader(dataset, sampler=sampler, batch_size=None,
+                                 num_workers=num_workers, pin_memory=pin_memory, **extra)
 
     def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
         self.dataset.set_epoch(epoch)
         inner = getattr(self.batch_sampler, "sampler", self.batch_sampler)
         for s in {id(inner): inner, id(self.batch_sampler): self.batch_sampler}.values():

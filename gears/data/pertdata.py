@@ -27,6 +27,11 @@ from gears.errors import GearsInputError
 PROCESSED_NAME = "perturb_processed.h5ad"
 N_DE = 20  # GEARS's "top-20 DE genes"
 N_DE_RANKED = 200  # longest DE list the metrics use (top-200 variants)
+STORE_MODES = ("auto", "memory", "mmap")
+# data.store=auto: an .h5ad whose file or dense float32 matrix is larger than this is processed
+# out of core into a memory-mapped store; smaller ones are read whole and processed by scanpy
+# (the reference path).
+AUTO_STORE_BYTES = 1024**3
 
 
 def _finite_values(X) -> np.ndarray:
@@ -87,7 +92,8 @@ class PertData:
 
     def __init__(self, data_dir: str | Path = "data", gene2go: str | Path | None = None,
                  gene_aliases: str | Path | None = None, keep_unmapped_perts: bool = False,
-                 seed: int = 1, verbose: bool = True):
+                 seed: int = 1, verbose: bool = True, store: str = "auto",
+                 store_dir: str | Path | None = None, chunk_cells: int = 20000):
         self.data_dir = Path(data_dir)
         self.gene2go_user = gene2go  # as given; the synthetic screen brings its own otherwise
         self.gene2go_path = gene2go
@@ -104,6 +110,13 @@ class PertData:
         self.report: dict = {}
         self._graphs: dict = {}
         self.synthetic = None
+        if store not in STORE_MODES:
+            raise GearsInputError(f"data.store must be one of {STORE_MODES}, got {store!r}")
+        self.store_mode = store  # auto | memory | mmap (see _wants_store)
+        self.store_dir = store_dir
+        self.chunk_cells = chunk_cells
+        self.store = None  # the open gears.data.store.Store when the data came from one
+        self._cond_means = None
         # The input's own spelling: its perturbation column, and per canonical condition the
         # first raw name seen (e.g. 'non-targeting', 'KLF1'); predictions are written with them.
         self.condition_key: str = "condition"
@@ -163,6 +176,17 @@ class PertData:
         if not path.exists():
             raise GearsInputError(f"no .h5ad file at {path}")
         name = data_name or (path.parent.name if path.name == PROCESSED_NAME else path.stem)
+        if self._wants_store(path):
+            if normalize != "none":
+                if self.store_mode == "mmap":
+                    raise GearsInputError(
+                        f"data.store=mmap processes {path.name} out of core, which needs "
+                        "log-normalised X; normalize the file first (sc.pp.normalize_total, "
+                        "sc.pp.log1p) or use data.store=memory with data.normalize=log1p")
+            else:
+                return self.process_backed(name, path, subset=subset,
+                                           condition_key=condition_key,
+                                           control_names=tuple(control_names))
         adata = ad.read_h5ad(path)
         for column, wanted in (subset or {}).items():
             if column not in adata.obs:
@@ -318,6 +342,7 @@ class PertData:
     def _setup(self, dataset_name: str, adata: ad.AnnData) -> None:
         """Index conditions and genes, resolve perturbation genes against GO, build tables."""
         self.dataset_name = dataset_name
+        self.store, self._cond_means = None, None
         self.gene_names = pd.Index(adata.var["gene_name"].astype(str).values)
         cell_cond = adata.obs["condition"].astype(str).values
         self.node_map = {g: i for i, g in enumerate(self.gene_names)}
@@ -330,30 +355,14 @@ class PertData:
         self.expr = ExpressionMatrix(adata.X)
         self.n_genes = len(self.gene_names)
 
-        C, G = len(self.conditions), self.n_genes
-        self.cond_pert_index = np.full((C, 2), -1, dtype=np.int64)
+        self.cond_pert_index = np.full((len(self.conditions), 2), -1, dtype=np.int64)
         for c, name in enumerate(self.conditions):
             for slot, gene in enumerate(condition_genes(name)):
                 self.cond_pert_index[c, slot] = self.node_map_pert[gene]
 
         # DE tables: [C, 200] DE-ranked genes, [C, 20] non-dropout DE, [C, G] loss mask.
-        uns = adata.uns
-        ranked = np.full((C, min(N_DE_RANKED, G)), -1, dtype=np.int64)
-        non_dropout = np.full((C, N_DE), -1, dtype=np.int64)
-        non_zero_mask = np.ones((C, G), dtype=bool)  # ctrl keeps every gene, as GEARS's loss
-        for c, name in enumerate(self.conditions):
-            if name == CTRL:
-                continue
-            if name not in uns[de_mod.RANK_KEY]:
-                raise GearsInputError(f"processed file lacks DE genes for condition {name!r}; "
-                                      "re-run new_data_process without skip_calc_de")
-            idx = self.gene_names.get_indexer(np.asarray(uns[de_mod.RANK_KEY][name]).astype(str))
-            ranked[c, : min(len(idx), ranked.shape[1])] = idx[: ranked.shape[1]]
-            nd = self.gene_names.get_indexer(
-                np.asarray(uns[de_mod.TOP_NON_DROPOUT_KEY][name]).astype(str))[:N_DE]
-            non_dropout[c, : len(nd)] = nd
-            non_zero_mask[c] = False
-            non_zero_mask[c, np.asarray(uns[de_mod.NON_ZERO_KEY][name], dtype=np.int64)] = True
+        ranked, non_dropout, non_zero_mask = _de_arrays(adata.uns, self.conditions,
+                                                        self.gene_names)
         self.de_ranked_idx = ranked
         self.de_idx = ranked[:, :N_DE].copy()
         self.non_dropout_de_idx = non_dropout
@@ -477,11 +486,17 @@ class PertData:
     def get_dataloader_distributed(self, batch_size: int, test_batch_size: int | None = None,
                                    world_size: int = 1, rank: int = 0, num_workers: int = 0,
                                    batching: str = "random", cells_per_group: int = 4,
-                                   pin_memory: bool = False, block_size: int = 1024
-                                   ) -> dict[str, EpochLoader]:
-        """Training shards via a seeded DistributedSampler; evaluation sharded without padding."""
+                                   pin_memory: bool = False, block_size: int = 1024,
+                                   device=None) -> dict[str, EpochLoader]:
+        """Training shards via a seeded DistributedSampler; evaluation sharded without padding.
+
+        device: a CUDA device keeps a dense matrix that fits (ExpressionMatrix.to_device) on the
+        GPU and gathers batches there; with num_workers > 0 batches are gathered on the host.
+        """
         if self.set2conditions is None:
             raise GearsInputError("call prepare_split before get_dataloader")
+        if device is not None and num_workers == 0 and self.expr.to_device(device):
+            pin_memory = False  # batches are born on the GPU
         test_batch_size = test_batch_size or batch_size
         loaders = {}
         for name in ("train", "val", "test"):
@@ -518,21 +533,305 @@ class PertData:
         key = ("coexpress", top_k, threshold)
         if key not in self._graphs:
             rows, _ = self.set_rows("train")
-            X = self.expr.numpy()[np.union1d(rows, self.ctrl_rows)]
-            self._graphs[key] = graphs.coexpression_graph(X, list(self.gene_names), top_k,
-                                                          threshold)
+            rows = np.union1d(rows, self.ctrl_rows)
+            self._graphs[key] = self._stored_graph(
+                ("coexpress", top_k, threshold, rows),
+                lambda: graphs.coexpression_graph(self.expr.numpy(), list(self.gene_names),
+                                                  top_k, threshold, rows=rows))
         return self._graphs[key]
+
+    def _stored_graph(self, key: tuple, build):
+        """A graph cached in the store directory (rank 0 builds it, the other ranks read it)."""
+        from gears.data import graphs
+        from gears.data import store as store_mod
+
+        if self.store is None:
+            return build()
+        import hashlib
+
+        digest = hashlib.sha256(repr(key[:-1]).encode() + np.asarray(key[-1]).tobytes())
+        name = f"graph_{key[0]}_{digest.hexdigest()[:16]}"
+        cached = store_mod.load_graph(self.store.path, name)
+        if cached is not None:
+            return graphs.GeneGraph(list(self.gene_names), torch_from(cached["edge_index"]),
+                                    torch_from(cached["edge_weight"]))
+        graph = build()
+        try:
+            store_mod.save_graph(self.store.path, name, {
+                "edge_index": graph.edge_index.numpy(), "edge_weight": graph.edge_weight.numpy()})
+        except OSError:
+            pass  # a read-only store only costs recomputation
+        return graph
 
     # ------------------------------------------------------------------------------- summaries
     def condition_means(self, conditions: list[str] | None = None) -> np.ndarray:
         """Observed mean profile per condition. -> [len(conditions), genes] float64."""
-        means = de_mod.condition_means(self.expr.numpy(), self.cell_condition, len(self.conditions))
+        if self._cond_means is None:
+            self._cond_means = de_mod.condition_means(self.expr.numpy(), self.cell_condition,
+                                                      len(self.conditions))
+        means = np.asarray(self._cond_means, dtype=np.float64)
         if conditions is None:
             return means
         return means[[self.cond_to_id[c] for c in conditions]]
+
+    # ------------------------------------------------------------------- out-of-core and store
+    def _wants_store(self, path: Path) -> bool:
+        """data.store: mmap always, memory never, auto when the file or its dense matrix is
+        larger than AUTO_STORE_BYTES."""
+        if self.store_mode != "auto":
+            return self.store_mode == "mmap"
+        if path.stat().st_size > AUTO_STORE_BYTES:
+            return True
+        import h5py
+
+        try:
+            with h5py.File(path, "r") as f:
+                shape = tuple(f["X"].attrs["shape"]) if isinstance(f["X"], h5py.Group) \
+                    else f["X"].shape
+        except (OSError, KeyError):
+            return False  # not an h5ad we can inspect: the in-memory reader reports the problem
+        return int(np.prod(shape)) * 4 > AUTO_STORE_BYTES
+
+    def _store_root(self, dataset_name: str) -> Path:
+        if self.store_dir is not None:
+            return Path(self.store_dir)
+        return self.data_dir / dataset_name / "store"
+
+    def _store_params(self, condition_key: str, sep: str, control_names: tuple[str, ...],
+                      subset: dict | None) -> dict:
+        """Every parameter the processed result depends on (the store key is a hash of these)."""
+        from gears.data.store import DENSE_STORE_LIMIT_BYTES, input_fingerprint
+
+        def fingerprint(path) -> dict | None:
+            return input_fingerprint(path) if path is not None else None
+
+        return {
+            "condition_key": condition_key, "sep": sep, "control_names": sorted(control_names),
+            "subset": {k: sorted(map(str, v if isinstance(v, (list, tuple)) else [v]))
+                       for k, v in sorted((subset or {}).items())},
+            "gene2go": fingerprint(self._gene2go_source()),
+            "gene_aliases": fingerprint(self.gene_aliases_path),
+            "keep_unmapped_perts": self.keep_unmapped_perts,
+            "n_de": N_DE, "n_de_ranked": N_DE_RANKED, "dense_limit": DENSE_STORE_LIMIT_BYTES,
+        }
+
+    def process_backed(self, dataset_name: str, path: str | Path, *,
+                       condition_key: str | None = None, sep: str = "+",
+                       control_names: tuple[str, ...] = (), subset: dict | None = None
+                       ) -> PertData:
+        """Process an .h5ad out of core into the shared store (or reuse it), then serve from it.
+
+        The file is opened in anndata's backed mode and read in `chunk_cells` row chunks: never
+        the whole matrix in memory. One pass validates values, sums and sums of squares per
+        condition (means, dropout sets, scanpy's t-test DE ranking via de.de_from_stats) and
+        writes the kept rows to the store. The store lives in `store_dir` (default
+        <data_dir>/<dataset>/store) under a key over the input and every processing parameter,
+        so a second process (another rank) with the same inputs memory-maps it instead.
+        """
+        from gears.data import store as store_mod
+
+        path = Path(path)
+        t0 = time.perf_counter()
+        backed = ad.read_h5ad(path, backed="r")  # obs and var only; X stays on disk
+        try:
+            chosen = detect_condition_key(backed.obs.columns, condition_key)
+            if condition_key is None:
+                self._log(f"perturbation column: obs[{chosen!r}], found by itself; set "
+                          "data.condition_key to choose another")
+            key = store_mod.store_key(
+                store_mod.input_fingerprint(path),
+                self._store_params(chosen, sep, control_names, subset))
+            root = self._store_root(dataset_name)
+            opened = store_mod.open_store(root, key)
+            if opened is None:
+                self._build_store(dataset_name, path, backed, root, key, condition_key=chosen,
+                                  sep=sep, control_names=control_names, subset=subset)
+                opened = store_mod.open_store(root, key)
+                if opened is None:
+                    raise GearsInputError(f"the processed store {root / key} was not written; "
+                                          "check that data.store_dir is writable")
+            else:
+                self._log(f"reusing the processed store {opened.path}")
+            raw = backed.obs[chosen].astype(str)
+            canon = canonicalize_conditions(raw.values, sep, control_names)
+            self.condition_key = chosen
+            self.condition_spelling = raw.groupby(canon, sort=False).first().to_dict()
+        finally:
+            backed.file.close()
+        self._setup_from_store(dataset_name, opened)
+        self._log(f"{dataset_name}: {self.adata.n_obs} cells x {self.n_genes} genes, "
+                  f"{len(self.conditions)} conditions from the {opened.meta['layout']} store in "
+                  f"{time.perf_counter() - t0:.1f}s")
+        return self
+
+    def _build_store(self, dataset_name: str, path: Path, backed: ad.AnnData, root: Path,
+                     key: str, *, condition_key: str, sep: str, control_names: tuple[str, ...],
+                     subset: dict | None) -> None:
+        """One chunked pass over the backed file -> a committed store (temp dir + rename)."""
+        import h5py
+
+        from gears.data import store as store_mod
+        from gears.data import stream
+
+        names = gene_names_of(backed)
+        if backed.n_obs == 0 or backed.n_vars == 0:
+            raise GearsInputError(f"the AnnData is empty ({backed.n_obs} cells x "
+                                  f"{backed.n_vars} genes)")
+        if condition_key not in backed.obs:
+            raise GearsInputError(
+                f"adata.obs has no {condition_key!r} column naming each cell's perturbation "
+                f"(columns present: {list(backed.obs.columns)})")
+        raw = backed.obs[condition_key]
+        if raw.isna().any():
+            raise GearsInputError(
+                f"{int(raw.isna().sum())} cells have a missing (NaN/null) value in "
+                f"obs[{condition_key!r}]; label them (e.g. 'ctrl') or drop them")
+        dup = names[names.duplicated()].unique()
+        if len(dup):
+            raise GearsInputError(
+                f"{len(dup)} duplicate gene names, e.g. {list(dup[:5])}; make them unique "
+                "(adata.var_names_make_unique()) or drop the duplicates")
+        keep = np.ones(backed.n_obs, dtype=bool)
+        for column, wanted in (subset or {}).items():
+            if column not in backed.obs:
+                raise GearsInputError(f"subset: adata.obs has no column {column!r}")
+            wanted = wanted if isinstance(wanted, (list, tuple)) else [wanted]
+            keep &= backed.obs[column].astype(str).isin([str(w) for w in wanted]).values
+        conditions = canonicalize_conditions(raw.values, sep, control_names)
+        conditions = np.where(keep, conditions, "")
+        present = sorted(set(conditions[keep]))
+        if CTRL not in present:
+            raise GearsInputError(
+                f"no control cells: none of obs[{condition_key!r}] is 'ctrl', 'control' or "
+                "'non-targeting' (pass control_names=(...) for other spellings)")
+        if present == [CTRL]:
+            raise GearsInputError("every cell is a control: the data has no perturbed cells")
+        self._resolve_perturbations(present, set(names))
+        counts = pd.Series(conditions[keep]).value_counts()
+        few = sorted(c for c in counts.index[counts < 2] if c != CTRL)
+        drop = set(self.report["dropped_conditions"]) | set(few)
+        self.report["dropped_conditions_too_few_cells"] = few
+        self.report["dropped_conditions"] = sorted(drop)
+        kept_conditions = sorted(set(present) - drop, key=lambda c: (c != CTRL, c))
+        if len(kept_conditions) < 2:
+            raise GearsInputError(
+                f"no perturbed cells are left after dropping {sorted(drop)[:10]} (genes "
+                "without GO annotation or conditions with one cell)")
+        codes = pd.Index(kept_conditions).get_indexer(conditions).astype(np.int64)
+        n_kept = int((codes >= 0).sum())
+        nnz = None
+        with h5py.File(path, "r") as f:
+            if isinstance(f["X"], h5py.Group):
+                indptr = f["X"]["indptr"][:]
+                nnz = int(np.diff(indptr)[codes >= 0].sum())
+        layout = store_mod.choose_layout(n_kept, len(names), nnz)
+        writer = store_mod.StoreWriter(
+            root, key, len(names), layout,
+            index_dtype=np.int32 if (nnz or 0) < 2**31 - 1 else np.int64)
+        try:
+            stats = stream.stream_condition_stats(
+                backed.X, backed.n_obs, codes, len(kept_conditions), len(names),
+                self.chunk_cells, sink=writer.append_rows)
+            if stats.max_value > 50:
+                self._log(f"warning: max expression {stats.max_value:.1f} looks like raw "
+                          "counts; GEARS expects log-normalised data")
+            uns = dict(backed.uns)
+            if all(k in uns for k in de_mod.DE_KEYS):  # DE results shipped with the file
+                de = self._translate_de_keys(uns, backed, condition_key)
+            else:
+                de = de_mod.de_from_stats(kept_conditions, stats.sums, stats.sumsq,
+                                          stats.counts, np.asarray(names), n_top=N_DE,
+                                          n_ranked=N_DE_RANKED)
+            ranked, non_dropout, non_zero_mask = _de_arrays(de, kept_conditions, names)
+            means = stats.means
+            np.save(writer.tmp / "means.npy", means)
+            cell_codes = codes[codes >= 0].astype(np.int32)
+            writer.commit(
+                tables={"conditions": np.array(kept_conditions, dtype=str),
+                        "cell_condition": cell_codes,
+                        "gene_names": np.asarray(names, dtype=str),
+                        "de_ranked": ranked.astype(np.int32),
+                        "non_dropout_de": non_dropout.astype(np.int32),
+                        "non_zero_mask": non_zero_mask},
+                meta={"dataset": dataset_name, "source": str(path), "report": self.report,
+                      "n_input_cells": int(backed.n_obs)})
+        except BaseException:
+            writer.abort()
+            raise
+        self._log(f"wrote the processed store {root / key} ({layout}, {n_kept} cells)")
+
+    def _setup_from_store(self, dataset_name: str, opened) -> None:
+        """The state `_setup` builds, from a store's tables; expression memory-mapped, not read."""
+        t = opened.tables
+        self.store = opened
+        self.dataset_name = dataset_name
+        self.report = opened.meta.get("report", {})
+        self.gene_names = pd.Index(t["gene_names"].astype(str))
+        self.node_map = {g: i for i, g in enumerate(self.gene_names)}
+        self.conditions = [str(c) for c in t["conditions"]]
+        self.cond_to_id = {c: i for i, c in enumerate(self.conditions)}
+        self.ctrl_id = self.cond_to_id[CTRL]
+        self.cell_condition = t["cell_condition"].astype(np.int64)
+        self.ctrl_rows = np.flatnonzero(self.cell_condition == self.ctrl_id)
+        self.n_genes = len(self.gene_names)
+        # The perturbation vocabulary (and GO sets) come from the GO source, cheap to re-read.
+        report = dict(self.report)
+        self._resolve_perturbations(self.conditions, set(self.gene_names))
+        self.report = report
+        self.cond_pert_index = np.full((len(self.conditions), 2), -1, dtype=np.int64)
+        for c, name in enumerate(self.conditions):
+            for slot, gene in enumerate(condition_genes(name)):
+                self.cond_pert_index[c, slot] = self.node_map_pert[gene]
+        self.de_ranked_idx = t["de_ranked"].astype(np.int64)
+        self.de_idx = self.de_ranked_idx[:, :N_DE].copy()
+        self.non_dropout_de_idx = t["non_dropout_de"].astype(np.int64)
+        self.non_zero_mask = t["non_zero_mask"]
+        self._cond_means = np.load(opened.path / "means.npy", mmap_mode="r")
+        self.ctrl_mean = np.array(self._cond_means[self.ctrl_id], dtype=np.float64)
+        self.expr = ExpressionMatrix.shared(opened.matrix())
+        obs = pd.DataFrame(
+            {"condition": pd.Categorical.from_codes(self.cell_condition, self.conditions)},
+            index=pd.RangeIndex(len(self.cell_condition)).astype(str))
+        self.adata = ad.AnnData(obs=obs, var=pd.DataFrame({"gene_name": self.gene_names.values},
+                                                          index=self.gene_names.values))
+        self.split = self.set2conditions = self.subgroup = self.dataloader = None
+        self._graphs = {}
 
     def __repr__(self) -> str:
         if self.adata is None:
             return f"PertData(data_dir={str(self.data_dir)!r}, no data loaded)"
         return (f"PertData({self.dataset_name}: {self.adata.n_obs} cells x {self.n_genes} genes, "
                 f"{len(self.conditions)} conditions, {len(self.pert_names)} perturbable genes)")
+
+
+def torch_from(array: np.ndarray):
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(array))
+
+
+def _de_arrays(de: dict, conditions: list[str], gene_names: pd.Index
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """DE dicts (DE_KEYS layout, keyed by condition) -> index tables.
+
+    Returns ranked [C, min(200, G)] DE-ranked gene indices, non_dropout [C, 20] and the loss
+    mask non_zero_mask [C, G] bool (ctrl keeps every gene, as GEARS's loss); -1 pads.
+    """
+    C, G = len(conditions), len(gene_names)
+    ranked = np.full((C, min(N_DE_RANKED, G)), -1, dtype=np.int64)
+    non_dropout = np.full((C, N_DE), -1, dtype=np.int64)
+    non_zero_mask = np.ones((C, G), dtype=bool)
+    for c, name in enumerate(conditions):
+        if name == CTRL:
+            continue
+        if name not in de[de_mod.RANK_KEY]:
+            raise GearsInputError(f"processed file lacks DE genes for condition {name!r}; "
+                                  "re-run new_data_process without skip_calc_de")
+        idx = gene_names.get_indexer(np.asarray(de[de_mod.RANK_KEY][name]).astype(str))
+        ranked[c, : min(len(idx), ranked.shape[1])] = idx[: ranked.shape[1]]
+        nd = gene_names.get_indexer(
+            np.asarray(de[de_mod.TOP_NON_DROPOUT_KEY][name]).astype(str))[:N_DE]
+        non_dropout[c, : len(nd)] = nd
+        non_zero_mask[c] = False
+        non_zero_mask[c, np.asarray(de[de_mod.NON_ZERO_KEY][name], dtype=np.int64)] = True
+    return ranked, non_dropout, non_zero_mask

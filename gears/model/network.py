@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch_geometric.nn import SGConv
+from torch_geometric.nn.conv.gcn_conv import gcn_norm
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -28,22 +30,21 @@ class _AllReduceSum(torch.autograd.Function):
 class _WeightedBatchNormFn(torch.autograd.Function):
     """Batch-norm with per-row weights: forward and an analytic backward in few passes.
 
-    With w_i the rows' multiplicities and W = sum(w): mu = sum(w x) / W,
-    var = sum(w (x - mu)^2) / W, xhat = (x - mu) * r, r = 1 / sqrt(var + eps),
-    y = gamma xhat + beta,
-    and dx = r gamma (dy - (w / W) (sum(dy) + xhat sum(dy xhat))): the usual batch-norm gradient
-    with the stats' terms scaled by each row's weight (w = 1 gives the standard formula).
+    With f_i = w_i / sum(w) each row's fraction of the cells: mu = sum(f x),
+    var = sum(f (x - mu)^2), xhat = (x - mu) * r, r = 1 / sqrt(var + eps), y = gamma xhat + beta,
+    and dx = r gamma (dy - f (sum(dy) + xhat sum(dy xhat))): the usual batch-norm gradient with
+    the stats' terms scaled by each row's fraction (f = 1/N gives the standard formula).
+    The fractions are normalised by the caller, so no sum grows with the number of cells.
     """
 
     @staticmethod
-    def forward(ctx, x, w, gamma, beta, eps):
-        total = w.sum().clamp(min=1e-12)  # all-zero weights (no perturbed row): output = beta
-        mean = (w @ x) / total
+    def forward(ctx, x, w_frac, gamma, beta, eps):
+        mean = w_frac @ x
         centred = x - mean
-        var = (w @ (centred * centred)) / total
+        var = w_frac @ (centred * centred)
         r = torch.rsqrt(var + eps)
         xhat = centred.mul_(r)
-        ctx.save_for_backward(xhat, w / total, r, gamma)
+        ctx.save_for_backward(xhat, w_frac, r, gamma)
         return torch.addcmul(beta, xhat, gamma), mean, var
 
     @staticmethod
@@ -56,6 +57,12 @@ class _WeightedBatchNormFn(torch.autograd.Function):
         return dx, None, dgamma, dbeta, None
 
 
+def _stat_dtype(x: torch.Tensor) -> torch.dtype:
+    """Batch statistics are never computed in half precision: fp16 sums overflow at 65,504 and
+    bf16 ones carry ~4e-3 relative error. float64 nets keep float64."""
+    return torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+
+
 class WeightedBatchNorm1d(nn.BatchNorm1d):
     """BatchNorm1d whose batch statistics weight each row by a multiplicity.
 
@@ -64,6 +71,10 @@ class WeightedBatchNorm1d(nn.BatchNorm1d):
     running-stat update of the per-cell batch. A scalar weight (every row stands for the same
     number of cells) takes PyTorch's native kernel. `sync=True` all-reduces the weighted sums
     across processes: a SyncBatchNorm that also works with gloo on CPU.
+
+    Weighted and synchronised statistics run in fp32 (float64 for a float64 net) with autocast
+    disabled, on weights divided by their total first; the output returns in the input's dtype.
+    The training step makes no host synchronisation here (no tensor built from a Python number).
     """
 
     sync: bool = False
@@ -75,48 +86,154 @@ class WeightedBatchNorm1d(nn.BatchNorm1d):
         distributed = self.sync and dist.is_available() and dist.is_initialized()
         tensor_weight = torch.is_tensor(weight) and weight.dim() == 1
         if not tensor_weight and not distributed and x.shape[0] > 1:
-            n = x.shape[0] * (1.0 if weight is None else weight)
+            # The native kernel returns the batch mean and 1/sqrt(var + eps) it normalised with:
+            # the running statistics need no second pass over x (torch.var_mean cost ~10x more).
+            y, mean, invstd = torch.native_batch_norm(
+                x, self.weight, self.bias, None, None, True, 0.0, self.eps
+            )
             with torch.no_grad():
-                var, mean = torch.var_mean(x.float(), 0, correction=0)
-            self._update_running(mean, var, n)
-            # Native kernel with batch statistics; running stats updated above with n cells.
-            return F.batch_norm(x, None, None, self.weight, self.bias, True, 0.0, self.eps)
-        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-        w = (
-            weight.to(xf.dtype)
-            if tensor_weight
-            else torch.ones(x.shape[0], device=x.device, dtype=xf.dtype)
-            * (1.0 if weight is None else weight)
-        )
-        if distributed:
-            return self._sync_forward(xf, w).to(x.dtype)
-        y, mean, var = _WeightedBatchNormFn.apply(xf, w, self.weight, self.bias, self.eps)
-        self._update_running(mean, var, w.sum())
+                var = invstd.pow(-2).sub_(self.eps).clamp_(min=0)
+            # weight: a Python number or a 0-dim tensor (never turned into a number: a sync).
+            self._update_running(mean, var, x.shape[0] * (1.0 if weight is None else weight))
+            return y
+        stat_dtype = _stat_dtype(x)
+        if tensor_weight:
+            w = weight.to(stat_dtype)
+        else:
+            w = torch.full((x.shape[0],), 1.0 if weight is None else float(weight), device=x.device)
+            w = w.to(stat_dtype)
+        with torch.autocast(x.device.type, enabled=False):
+            xf = x.to(stat_dtype)
+            if distributed:
+                y = self._sync_forward(xf, w)
+            else:
+                total = w.sum()
+                # All-zero weights (no perturbed row): fractions 0, statistics 0, output finite.
+                w_frac = w / total.clamp(min=1e-12)
+                y, mean, var = _WeightedBatchNormFn.apply(
+                    xf, w_frac, self.weight, self.bias, self.eps
+                )
+                self._update_running(mean, var, total)
         return y.to(x.dtype)
 
     def _sync_forward(self, xf: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """Weighted statistics summed over all processes (differentiable all-reduce). The mean
-        and the centred second moment take one all-reduce each, as exact as the local path."""
-        packed = _AllReduceSum.apply(torch.cat([w @ xf, w.sum().reshape(1)]))
-        total = packed[-1].clamp(min=1e-12)
-        mean = packed[:-1] / total
+        """Weighted statistics over all processes (differentiable all-reduce). The cell total is
+        all-reduced first so that every process sums fractions of the global batch (bounded by
+        the data's own scale); the mean and the centred second moment take one all-reduce each,
+        as exact as the local path."""
+        total = w.sum().reshape(1)
+        dist.all_reduce(total)
+        total = total[0]
+        w_frac = w / total.clamp(min=1e-12)
+        mean = _AllReduceSum.apply(w_frac @ xf)
         centred = xf - mean
-        var = _AllReduceSum.apply(w @ (centred * centred)) / total
-        self._update_running(mean, var, packed[-1])
+        var = _AllReduceSum.apply(w_frac @ (centred * centred))
+        self._update_running(mean, var, total)
         return centred * torch.rsqrt(var + self.eps) * self.weight + self.bias
 
     @torch.no_grad()
-    def _update_running(self, mean: torch.Tensor, var: torch.Tensor, n) -> None:
+    def _update_running(
+        self, mean: torch.Tensor, var: torch.Tensor, n: torch.Tensor | float
+    ) -> None:
+        """Running statistics from a batch standing for n cells: running_var takes the unbiased
+        var * n / (n - 1). n is a Python number or a 0-dim device tensor; neither path copies a
+        Python number to the device (each such copy is a host-device synchronisation)."""
         if not self.track_running_stats:
             return
-        n = torch.as_tensor(n, dtype=torch.float32, device=mean.device)
-        unbiased = var.detach().float() * (n / (n - 1).clamp(min=1))
         self.num_batches_tracked += 1
         m = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
-        # A batch whose rows all weigh 0 (no perturbed cell) leaves the statistics alone.
-        m = torch.where(n > 0, torch.tensor(m, device=n.device), torch.zeros((), device=n.device))
-        self.running_mean.lerp_(mean.detach().to(self.running_mean.dtype), m)
-        self.running_var.lerp_(unbiased.to(self.running_var.dtype), m)
+        dtype = self.running_mean.dtype
+        if torch.is_tensor(n):
+            n = n.to(dtype)
+            unbiased = var.to(dtype) * (n / (n - 1).clamp(min=1))
+            # A batch whose rows all weigh 0 (no perturbed cell) leaves the statistics alone.
+            m = torch.where(n > 0, m, 0.0).to(dtype)
+        else:
+            if n <= 0:
+                return
+            unbiased = var.to(dtype) * (n / max(n - 1, 1))
+        self.running_mean.lerp_(mean.to(dtype), m)
+        self.running_var.lerp_(unbiased, m)
+
+
+@torch.library.custom_op("gears::graph_propagate", mutates_args=())
+def graph_propagate(
+    crow: torch.Tensor,
+    col: torch.Tensor,
+    values: torch.Tensor,
+    crow_t: torch.Tensor,
+    col_t: torch.Tensor,
+    values_t: torch.Tensor,
+    x: torch.Tensor,
+) -> torch.Tensor:
+    """A @ x for a fixed sparse A given as CSR (crow [N+1], col [E], values [E]) and its
+    transpose (for the gradient). x [N, H] -> [N, H], in fp32 for half-precision inputs (sparse
+    kernels have none) and in x's dtype otherwise. A custom op, so that torch.compile treats
+    the sparse product as one opaque node instead of breaking the graph around it."""
+    dtype = _stat_dtype(x)
+    with torch.autocast(x.device.type, enabled=False):
+        adj = torch.sparse_csr_tensor(
+            crow,
+            col,
+            values.to(dtype),
+            (crow.numel() - 1, x.shape[0]),
+            dtype=dtype,
+            check_invariants=False,  # checked once, when the graph was built
+        )
+        return torch.sparse.mm(adj, x.to(dtype))
+
+
+@graph_propagate.register_fake
+def _(crow, col, values, crow_t, col_t, values_t, x):
+    return x.new_empty((crow.numel() - 1, x.shape[1]), dtype=_stat_dtype(x))
+
+
+def _graph_propagate_setup(ctx, inputs, output):
+    *_, crow_t, col_t, values_t, x = inputs
+    ctx.save_for_backward(crow_t, col_t, values_t)
+    ctx.x_dtype = x.dtype
+
+
+def _graph_propagate_backward(ctx, grad):
+    crow_t, col_t, values_t = ctx.saved_tensors
+    # d(A x)/dx applied to grad is A^T grad: the same product with the transposed graph.
+    dx = graph_propagate(crow_t, col_t, values_t, crow_t, col_t, values_t, grad.contiguous())
+    return None, None, None, None, None, None, dx.to(ctx.x_dtype)
+
+
+graph_propagate.register_autograd(_graph_propagate_backward, setup_context=_graph_propagate_setup)
+
+
+def gcn_normalised_csr(
+    edge_index: torch.Tensor, edge_weight: torch.Tensor, num_nodes: int, transpose: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PyG SGConv(K=1)'s propagation matrix as CSR: gcn_norm with self-loops (existing ones
+    kept), A[target, source] = D^-1/2 (A + I) D^-1/2; duplicate edges summed as message passing
+    sums them. transpose=True gives A^T. -> (crow [N+1], col [E'], values [E'] float32)"""
+    ei, w = gcn_norm(edge_index.long(), edge_weight.float(), num_nodes, add_self_loops=True)
+    rows, cols = (ei[0], ei[1]) if transpose else (ei[1], ei[0])
+    adj = torch.sparse_coo_tensor(
+        torch.stack([rows, cols]), w, (num_nodes, num_nodes), check_invariants=True
+    )
+    with warnings.catch_warnings():  # the CSR layout is labelled "beta"; its mm is stable
+        warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+        csr = adj.coalesce().to_sparse_csr()
+    # Clones, not views of the CSR tensor: a buffer viewing a sparse base cannot be traced.
+    return csr.crow_indices().clone(), csr.col_indices().clone(), csr.values().clone()
+
+
+class FixedGraphConv(nn.Module):
+    """SGConv(K=1) over a fixed graph: the propagation matrix is normalised once (by the owner,
+    into buffers) and applied as a sparse product, then the Linear. `lin` keeps PyG SGConv's
+    state_dict key (`<name>.lin.weight/.lin.bias`), so models saved before still load."""
+
+    def __init__(self, in_channels: int, out_channels: int):
+        super().__init__()
+        self.lin = nn.Linear(in_channels, out_channels)
+
+    def forward(self, x: torch.Tensor, graph: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """x [N, in]; graph (crow, col, values, crow_t, col_t, values_t) -> [N, out]"""
+        return self.lin(graph_propagate(*graph, x))
 
 
 def all_rows_max_norm(emb: nn.Embedding) -> torch.Tensor:
@@ -172,19 +289,34 @@ class GEARSNet(nn.Module):
         super().__init__()
         G, H = num_genes, hidden_size
         self.num_genes, self.num_perts, self.uncertainty = G, num_perts, uncertainty
-        # Graphs are buffers: they move with .to(device) and are saved with the model.
-        self.register_buffer("go_edge_index", go_edge_index.long(), persistent=False)
-        self.register_buffer("go_edge_weight", go_edge_weight.float(), persistent=False)
-        self.register_buffer("co_edge_index", coexpress_edge_index.long(), persistent=False)
-        self.register_buffer("co_edge_weight", coexpress_edge_weight.float(), persistent=False)
+        # Graphs are non-persistent buffers: they move with .to(device), are rebuilt from the
+        # data (not saved), and are listed by graph_buffer_names() so that DDP never broadcasts
+        # them. The normalised propagation matrices (and their transposes, for the gradient)
+        # are built once here: no gcn_norm (and its host syncs) in the forward.
+        self._graph_buffers: list[str] = []
+        self._register_graph("go_edge_index", go_edge_index.long())
+        self._register_graph("go_edge_weight", go_edge_weight.float())
+        self._register_graph("co_edge_index", coexpress_edge_index.long())
+        self._register_graph("co_edge_weight", coexpress_edge_weight.float())
+        for name, (ei, ew, n) in {
+            "go": (go_edge_index, go_edge_weight, num_perts),
+            "co": (coexpress_edge_index, coexpress_edge_weight, num_genes),
+        }.items():
+            for suffix, transpose in (("", False), ("_t", True)):
+                crow, col, values = gcn_normalised_csr(ei, ew, n, transpose)
+                self._register_graph(f"{name}_adj_crow{suffix}", crow)
+                self._register_graph(f"{name}_adj_col{suffix}", col)
+                self._register_graph(f"{name}_adj_values{suffix}", values)
 
         # Looked up whole with rows renormalised to norm <= 1 (GEARS: max_norm=True).
         self.gene_emb = nn.Embedding(G, H)
         self.emb_pos = nn.Embedding(G, H)
         self.pert_emb = nn.Embedding(num_perts, H)
         self.bn_emb = WeightedBatchNorm1d(H)
-        self.layers_emb_pos = nn.ModuleList(SGConv(H, H, K=1) for _ in range(num_gene_gnn_layers))
-        self.sim_layers = nn.ModuleList(SGConv(H, H, K=1) for _ in range(num_go_gnn_layers))
+        self.layers_emb_pos = nn.ModuleList(
+            FixedGraphConv(H, H) for _ in range(num_gene_gnn_layers)
+        )
+        self.sim_layers = nn.ModuleList(FixedGraphConv(H, H) for _ in range(num_go_gnn_layers))
         self.emb_trans_v2 = MLP([H, H, H])
         self.pert_fuse = MLP([H, H, H])
         self.bn_pert_base = WeightedBatchNorm1d(H)
@@ -199,6 +331,22 @@ class GEARSNet(nn.Module):
         if uncertainty:
             self.uncertainty_w = MLP([H, 2 * H, H, 1])
 
+    def _register_graph(self, name: str, tensor: torch.Tensor) -> None:
+        self.register_buffer(name, tensor, persistent=False)
+        self._graph_buffers.append(name)
+
+    def graph_buffer_names(self) -> list[str]:
+        """Names (as in named_buffers()) of every fixed-graph buffer: identical on every rank by
+        construction, so DDP must not broadcast them each step."""
+        return list(self._graph_buffers)
+
+    def _graph(self, name: str) -> tuple[torch.Tensor, ...]:
+        """(crow, col, values, crow_t, col_t, values_t) of the "go" or "co" propagation matrix."""
+        parts = ("crow", "col", "values")
+        return tuple(
+            getattr(self, f"{name}_adj_{p}{suffix}") for suffix in ("", "_t") for p in parts
+        )
+
     def set_sync_batchnorm(self, enabled: bool) -> None:
         for m in self.modules():
             if isinstance(m, WeightedBatchNorm1d):
@@ -208,14 +356,15 @@ class GEARSNet(nn.Module):
         """Cell-independent parts: base gene embedding [G, H] and GO-smoothed perts [P, H]."""
         emb = torch.relu(self.bn_emb(all_rows_max_norm(self.gene_emb), n_cells))
         pos = all_rows_max_norm(self.emb_pos)
+        co_graph, go_graph = self._graph("co"), self._graph("go")
         for i, layer in enumerate(self.layers_emb_pos):
-            pos = layer(pos, self.co_edge_index, self.co_edge_weight)
+            pos = layer(pos, co_graph)
             if i < len(self.layers_emb_pos) - 1:
                 pos = torch.relu(pos)
         base = self.emb_trans_v2(emb + 0.2 * pos, n_cells)
         pert = all_rows_max_norm(self.pert_emb)
         for i, layer in enumerate(self.sim_layers):
-            pert = layer(pert, self.go_edge_index, self.go_edge_weight)
+            pert = layer(pert, go_graph)
             if i < len(self.sim_layers) - 1:
                 pert = torch.relu(pert)
         return base, pert
@@ -227,7 +376,15 @@ class GEARSNet(nn.Module):
         per_row = counts if torch.is_tensor(counts) and counts.dim() == 1 else None
         m = 1.0 if counts is None or per_row is not None else counts
         n_cells = per_row.sum() if per_row is not None else U * m
-        base, pert_all = self.gene_embeddings(n_cells)
+        # Gene- and perturbation-level work runs in fp32 even under autocast: it is computed
+        # once and broadcast to every cell, so its rounding errors are shared by the whole batch
+        # instead of averaging out (bf16 training then drifts with the CPU's kernels and thread
+        # count); it costs G*H, 1/U of the cell-gene part. Only the [U*G, H] part runs in half.
+        device = pert_index.device.type
+        with torch.autocast(device, enabled=False):
+            base, pert_all = self.gene_embeddings(n_cells)
+        if torch.is_autocast_enabled(device):
+            base = base.to(torch.get_autocast_dtype(device))
 
         # Fuse each row's perturbation embeddings by gather + masked sum (no loop over cells).
         valid = pert_index >= 0
@@ -240,13 +397,52 @@ class GEARSNet(nn.Module):
 
         h = (base.unsqueeze(0) + fused.unsqueeze(1)).reshape(U * G, -1)  # [U*G, H]
         row_w = per_row.repeat_interleave(G) if per_row is not None else m
+        row_w_u = per_row if per_row is not None else m
         h = torch.relu(self.bn_pert_base(h, row_w))
         out = self.recovery_w(h, row_w).reshape(U, G, -1)
         w = (out * self.indv_w1).sum(-1) + self.indv_b1[:, 0]  # per-gene decoder, [U, G]
-        cross = self.cross_gene_state(w, per_row if per_row is not None else m)  # [U, H]
+        # The cross-gene MLP runs in fp32 even under autocast: the rows of w differ only by
+        # their perturbations' effects, small beside the per-gene part all rows share, so bf16
+        # rounding of its [U, H] linear output is as large as those differences and its
+        # batch-norm over U rows would normalise rounding noise (bf16 training then drifts
+        # with the thread count's summation order). It costs U*G*H, no cell-gene term.
+        with torch.autocast(w.device.type, enabled=False):
+            cross = self.cross_gene_state(w.to(_stat_dtype(w)), row_w_u)  # [U, H]
         w2 = self.indv_w2[0]
         delta = w * w2[:, 0] + cross @ w2[:, 1:].t() + self.indv_b2
         if self.uncertainty:
             logvar = self.uncertainty_w(h, row_w).reshape(U, G)
             return delta, logvar
         return delta
+
+
+# ----------------------------------------------------------------------------- batch row layout
+# Deduplication (one row per distinct perturbation, batch-norm weighted by multiplicity) pays
+# when it removes many rows; when it removes few, one row per cell takes the native batch-norm
+# kernel with the same statistics and is faster (bf16 random batches: 110 -> 70 ms per step at
+# 1,000 genes, benchmarks/README.md finding 4). The rule: one row per cell when the distinct
+# rows exceed this fraction of the cells.
+CELL_ROWS_ABOVE_FRACTION = 0.75
+
+
+def use_cell_rows(n_distinct: int, n_cells: int) -> bool:
+    """True when a batch of n_cells cells with n_distinct distinct perturbations (and unequal
+    counts) is cheaper as one row per cell: n_distinct > 0.75 * n_cells."""
+    return n_distinct > CELL_ROWS_ABOVE_FRACTION * n_cells
+
+
+def row_bucket(n_rows: int, smallest: int = 8) -> int:
+    """The padded row count for torch.compile: the next power of two >= max(n_rows, smallest),
+    so batches with any number of distinct perturbations hit a few compiled shapes."""
+    return max(smallest, 1 << (max(n_rows, 1) - 1).bit_length())
+
+
+def pad_rows(pert_index: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """pert_index [U, P], counts [U] -> [row_bucket(U), P], [row_bucket(U)]: padding rows are
+    controls (-1) that stand for 0 cells, so they weigh 0 in every batch-norm and change no
+    statistic; the caller slices the output back to its first U rows."""
+    n_rows = pert_index.shape[0]
+    extra = row_bucket(n_rows) - n_rows
+    if extra == 0:
+        return pert_index, counts
+    return F.pad(pert_index, (0, 0, 0, extra), value=-1), F.pad(counts, (0, extra), value=0.0)

@@ -1,0 +1,115 @@
+"""Out-of-core processing: one pass over a backed .h5ad in row chunks -> per-condition statistics.
+
+The pass validates each chunk (NaN/inf/negative), accumulates per-condition sums and sums of
+squares (all that the means, the dropout sets and scanpy's t-test need) and hands the kept rows
+to a sink (the store writer). Memory is O(chunk + conditions x genes), never the whole matrix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import scipy.sparse as sp
+
+from gears.errors import GearsInputError
+
+
+@dataclass
+class ConditionStats:
+    """Sufficient statistics per condition. C conditions, G genes."""
+
+    counts: np.ndarray  # [C] int64 cells per condition
+    sums: np.ndarray  # [C, G] float64 sum of x
+    sumsq: np.ndarray  # [C, G] float64 sum of float32 x*x (as scanpy's mean/variance kernels)
+    max_value: float  # largest expression value seen (raw-count warning)
+
+    @property
+    def means(self) -> np.ndarray:
+        """[C, G] float64."""
+        return self.sums / np.maximum(self.counts, 1)[:, None]
+
+
+def iter_row_chunks(X, n_rows: int, chunk_cells: int) -> Iterator[tuple[int, object]]:
+    """(first row, block) for consecutive row blocks of a backed or in-memory matrix.
+
+    Blocks are scipy CSR (sparse inputs) or dense float32 numpy arrays.
+    """
+    if chunk_cells < 1:
+        raise GearsInputError(f"data.chunk_cells must be >= 1, got {chunk_cells}")
+    for start in range(0, n_rows, chunk_cells):
+        block = X[start : min(start + chunk_cells, n_rows)]
+        if sp.issparse(block):
+            block = sp.csr_matrix(block, dtype=np.float32)
+        else:
+            block = np.asarray(block, dtype=np.float32)
+        yield start, block
+
+
+def check_block(block, start: int) -> None:
+    """GearsInputError naming the rows when a block has NaN, infinite or negative values."""
+    values = block.data if sp.issparse(block) else block
+    stop = start + block.shape[0]
+    n_bad = int(values.size - np.count_nonzero(np.isfinite(values)))
+    if n_bad:
+        raise GearsInputError(
+            f"adata.X has {n_bad} NaN or infinite expression values in cells {start}-{stop - 1}; "
+            "remove or repair them before processing"
+        )
+    if values.size and values.min() < 0:
+        raise GearsInputError(
+            f"adata.X has negative values (min {values.min():.3g}, cells {start}-{stop - 1}); "
+            "GEARS expects log-normalised counts (sc.pp.normalize_total then sc.pp.log1p), "
+            "not scaled or centred data"
+        )
+
+
+def _add_group_sums(out: np.ndarray, codes: np.ndarray, block, square: bool) -> None:
+    """out[code] += rows of block (or of block*block in float32), summed in float64."""
+    if sp.issparse(block):
+        block = block.copy() if square else block
+        if square:
+            block.data = block.data * block.data  # float32 squares, as scanpy's kernels
+        indicator = sp.csr_matrix(
+            (np.ones(len(codes)), (codes, np.arange(len(codes)))), shape=(out.shape[0], len(codes))
+        )
+        summed = (indicator @ block.astype(np.float64)).tocoo()
+        # A canonical product has one entry per (condition, gene): plain fancy += is exact.
+        out[summed.row, summed.col] += summed.data
+        return
+    values = block * block if square else block
+    order = np.argsort(codes, kind="stable")
+    uniq, starts = np.unique(codes[order], return_index=True)
+    out[uniq] += np.add.reduceat(values[order].astype(np.float64), starts, axis=0)
+
+
+def stream_condition_stats(
+    X, n_rows: int, codes: np.ndarray, n_conditions: int, n_genes: int, chunk_cells: int,
+    sink: Callable[[object], None] | None = None,
+) -> ConditionStats:
+    """One pass over the rows of X: validate, accumulate per-condition statistics, feed `sink`.
+
+    codes [n_rows] int: each cell's condition, -1 for cells to drop (not summed, not sunk).
+    sink receives each chunk's kept rows in order (e.g. StoreWriter.append_rows).
+    """
+    sums = np.zeros((n_conditions, n_genes))
+    sumsq = np.zeros((n_conditions, n_genes))
+    max_value = 0.0
+    for start, block in iter_row_chunks(X, n_rows, chunk_cells):
+        check_block(block, start)
+        block_codes = codes[start : start + block.shape[0]]
+        keep = block_codes >= 0
+        if not keep.all():
+            block, block_codes = block[np.flatnonzero(keep)], block_codes[keep]
+        if block.shape[0] == 0:
+            continue
+        values = block.data if sp.issparse(block) else block
+        if values.size:
+            max_value = max(max_value, float(values.max()))
+        _add_group_sums(sums, block_codes, block, square=False)
+        _add_group_sums(sumsq, block_codes, block, square=True)
+        if sink is not None:
+            sink(block)
+    counts = np.bincount(codes[codes >= 0], minlength=n_conditions).astype(np.int64)
+    return ConditionStats(counts=counts, sums=sums, sumsq=sumsq, max_value=max_value)

@@ -1,0 +1,55 @@
+"""Process-level CPU runtime settings: thread pools and the C allocator's thresholds."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import sys
+
+import torch
+
+# glibc mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_INT_MAX = 2**31 - 1  # mallopt takes a C int: ~2 GiB is the largest threshold
+
+
+def set_threads(n: int) -> int:
+    """Use n CPU threads in torch (intra-op) and, when numba is already imported, in numba.
+
+    Call it after the data is built: scanpy's differential-expression step runs numba kernels
+    whose OpenMP layer calls omp_set_num_threads(NUMBA_NUM_THREADS) on the libgomp torch
+    shares, silently replacing torch's thread count (benchmarks/README.md, finding 1).
+    n <= 0 leaves everything as it is. Returns torch's thread count afterwards."""
+    if n > 0:
+        numba = sys.modules.get("numba")
+        if numba is not None:
+            # numba refuses more threads than NUMBA_NUM_THREADS, its pool size at import. Its
+            # first call starts its threading layer, which resets the OpenMP pool: torch last.
+            numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+        torch.set_num_threads(n)
+    return torch.get_num_threads()
+
+
+def tune_allocator(mmap_threshold: int = 1 << 30, trim_threshold: int = _INT_MAX) -> bool:
+    """Keep large freed blocks in glibc's heap instead of returning them to the kernel.
+
+    By default glibc serves each large activation from a fresh mmap and unmaps it on free, so a
+    CPU training step takes ~19,000 minor page faults (each page zeroed again); raising
+    M_MMAP_THRESHOLD and M_TRIM_THRESHOLD makes freed activations reusable (random fp32 step
+    119 -> 105 ms, benchmarks/README.md finding 5). Peak memory is unchanged; the process keeps
+    its high-water mark instead of giving pages back between steps. A no-op (False) without
+    glibc, e.g. on macOS, Windows or musl, and when MALLOC_MMAP_THRESHOLD_ is set by the user.
+    Returns True when both thresholds were set."""
+    if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    ok_mmap = mallopt(_M_MMAP_THRESHOLD, min(int(mmap_threshold), _INT_MAX)) == 1
+    ok_trim = mallopt(_M_TRIM_THRESHOLD, min(int(trim_threshold), _INT_MAX)) == 1
+    return ok_mmap and ok_trim
