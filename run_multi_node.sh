@@ -19,13 +19,17 @@ Environment variables (defaults in brackets):
   MASTER_ADDR     address of the head node, reachable from all nodes
                                                                [127.0.0.1, or the first host of
                                                                 `scontrol show hostnames` under Slurm]
-  MASTER_PORT     TCP port of the rendezvous on the head node  [29500]
+  MASTER_PORT     TCP port of the rendezvous on the head node  [29500, or under Slurm
+                                                                20000 + SLURM_JOB_ID % 20000, so
+                                                                jobs sharing a node differ]
   RDZV_BACKEND    c10d (elastic, default) or static (uses NODE_RANK)          [c10d]
   RDZV_ID         job id shared by all nodes                   [SLURM_JOB_ID, else "gears"]
   MAX_RESTARTS    torchrun restarts of the whole group after a worker failure;
                   restarted workers resume from the last checkpoint          [0]
   PYTHON          python interpreter                            [python]
   SRUN_ARGS       extra arguments for srun under Slurm          [empty]
+                  (--cpus-per-task=$SLURM_CPUS_PER_TASK is passed when set: since Slurm 22.05
+                  srun does not inherit it, and torchrun's workers would share one core)
   TORCH_DISABLE_SHARE_RDZV_TCP_STORE
                   1: the workers' process group gets its own store per restart. torchrun's
                   default reuses the rendezvous store, whose stale keys can make a restarted
@@ -49,7 +53,12 @@ PYTHON="${PYTHON:-python}"
 gpus=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
 [ "$gpus" -gt 0 ] 2>/dev/null || gpus=1
 NPROC_PER_NODE="${NPROC_PER_NODE:-$gpus}"
-MASTER_PORT="${MASTER_PORT:-29500}"
+if [[ "${SLURM_JOB_ID:-}" =~ ^[0-9]+$ ]]; then
+  default_port=$((20000 + SLURM_JOB_ID % 20000))  # as gears.distributed.default_master_port
+else
+  default_port=29500
+fi
+MASTER_PORT="${MASTER_PORT:-$default_port}"
 RDZV_BACKEND="${RDZV_BACKEND:-c10d}"
 MAX_RESTARTS="${MAX_RESTARTS:-0}"
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
@@ -70,8 +79,10 @@ if [ -n "${SLURM_JOB_ID:-}" ] && [ -z "${SLURM_STEP_ID:-}" ] && command -v srun 
   NNODES="${NNODES:-${SLURM_NNODES:-1}}"
   RDZV_ID="${RDZV_ID:-$SLURM_JOB_ID}"
   export MASTER_ADDR MASTER_PORT NNODES NPROC_PER_NODE RDZV_BACKEND RDZV_ID MAX_RESTARTS PYTHON
+  cpus=()
+  [ -n "${SLURM_CPUS_PER_TASK:-}" ] && cpus=(--cpus-per-task="$SLURM_CPUS_PER_TASK")
   # shellcheck disable=SC2086
-  exec srun --nodes="$NNODES" --ntasks-per-node=1 ${SRUN_ARGS:-} \
+  exec srun --nodes="$NNODES" --ntasks-per-node=1 "${cpus[@]}" ${SRUN_ARGS:-} \
     bash -c 'NODE_RANK=$SLURM_NODEID exec "$0" "$@"' "$here/run_multi_node.sh" "$@"
 fi
 

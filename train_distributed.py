@@ -3,10 +3,14 @@
 torchrun --standalone --nproc_per_node 4 train_distributed.py [key=value ...]
 python train_distributed.py --nproc 4 [--config FILE] [key=value ...]   # mp.spawn
 srun python train_distributed.py [key=value ...]                         # Slurm tasks
+(run directly in a multi-task sbatch script, outside srun, it spawns --nproc local processes and
+says so: only srun tasks are taken as workers)
 """
 
+import sys
+
 from gears.run import config_from_args, guarded, parse_args
-from gears.train_distributed import launched_externally, spawn, worker_main
+from gears.train_distributed import batch_script_note, launched_externally, spawn, worker_main
 
 
 def main(argv=None):
@@ -23,6 +27,9 @@ def main(argv=None):
     cfg = config_from_args(args)
     if launched_externally():
         return worker_main(cfg)
+    note = batch_script_note()
+    if note:
+        print(note, file=sys.stderr, flush=True)
     return spawn(cfg, args.nproc)
 
 

@@ -111,6 +111,9 @@ class DistributedConfig:
     find_unused_parameters: bool = False
     static_graph: bool = False
     gradient_as_bucket_view: bool = True
+    # How long ranks wait, before the process group exists, for rank 0 (and each node's local
+    # rank 0) to download and process the data; not a collective, so no watchdog applies.
+    data_wait_s: int = 14400
 
 
 @dataclass

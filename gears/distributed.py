@@ -1,12 +1,20 @@
-"""Process-group setup: rank (torchrun, Slurm or single), device, backend, collectives."""
+"""Process-group setup: rank (torchrun, Slurm or single), device, backend, collectives.
+
+Order of a distributed run (gears/train_distributed.py): rendezvous store -> data built in
+stages over the store (no collective, no watchdog) -> process group -> training -> gathered
+predictions -> `release` (barrier, destroy) -> rank-0-only scoring with no group left to time out.
+"""
 
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import socket
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -50,9 +58,33 @@ def check_port_free(host: str, port: int) -> None:
             ) from None
 
 
+DEFAULT_MASTER_PORT = 29500
+SLURM_PORT_BASE, SLURM_PORT_SPAN = 20000, 20000  # ports 20000-39999, below the ephemeral range
+# Step ids Slurm gives the batch script, the extern step and salloc's interactive step: a process
+# there is not one task of a multi-task `srun`, whatever SLURM_NTASKS says.
+_NON_TASK_STEPS = {"batch", "extern", "interactive", "4294967290", "4294967291", "4294967292"}
+_NON_TASK_STEPS |= {"4294967293", "4294967294", "4294967295"}
+
+
+def default_master_port() -> int:
+    """29500, or under Slurm a port derived from the job id (20000 + id % 20000), so that two
+    jobs sharing a node do not collide. run_multi_node.sh derives the same number."""
+    job = os.environ.get("SLURM_JOB_ID", "")
+    if job.isdigit():
+        return SLURM_PORT_BASE + int(job) % SLURM_PORT_SPAN
+    return DEFAULT_MASTER_PORT
+
+
+def in_srun_task() -> bool:
+    """True in a task of an `srun` job step (SLURM_PROCID and a real SLURM_STEP_ID); False in
+    the batch script itself, where SLURM_NTASKS describes the allocation, not this process."""
+    step = os.environ.get("SLURM_STEP_ID", os.environ.get("SLURM_STEPID"))
+    return "SLURM_PROCID" in os.environ and step is not None and step not in _NON_TASK_STEPS
+
+
 def slurm_to_env() -> None:
     """Under `srun` without torchrun, derive RANK/WORLD_SIZE/MASTER_ADDR from Slurm's variables."""
-    if "RANK" in os.environ or "SLURM_PROCID" not in os.environ:
+    if "RANK" in os.environ or not in_srun_task():
         return
     os.environ["RANK"] = os.environ["SLURM_PROCID"]
     os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
@@ -60,7 +92,7 @@ def slurm_to_env() -> None:
     if "MASTER_ADDR" not in os.environ:
         nodelist = os.environ.get("SLURM_JOB_NODELIST", "127.0.0.1")
         os.environ["MASTER_ADDR"] = first_slurm_host(nodelist)
-    os.environ.setdefault("MASTER_PORT", "29500")
+    os.environ.setdefault("MASTER_PORT", str(default_master_port()))
 
 
 def first_slurm_host(nodelist: str) -> str:
@@ -124,45 +156,148 @@ def check_gpu_ids(gpu_ids: list | None, n_visible: int) -> None:
         )
 
 
-def choose_device(spec: str, local_rank: int = 0, gpu_ids: list | None = None) -> torch.device:
-    if gpu_ids and spec != "cpu":
-        check_gpu_ids(gpu_ids, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+def resolve_device(
+    spec: str,
+    local_rank: int = 0,
+    world_size: int = 1,
+    gpu_ids: list | None = None,
+    device_count: int = 0,
+    rank: int | None = None,
+    local_world_size: int | None = None,
+) -> torch.device:
+    """The device of one process: a pure function of the config and what the node has, so every
+    contradiction is a clear error on any machine (tests exercise it without a GPU).
+
+    spec: auto | cpu | cuda | cuda:N; gpu_ids: the GPUs local ranks 0, 1, ... use (None: local
+    rank modulo the visible GPUs, which also covers Slurm binding one GPU per task);
+    device_count: CUDA devices visible; local_world_size: processes on this node when a
+    launcher says so (torchrun's LOCAL_WORLD_SIZE), to refuse two ranks on one GPU.
+    """
+    who = f"rank {local_rank if rank is None else rank} (local_rank {local_rank})"
+    if spec.startswith("cuda:") and world_size > 1:
+        raise GearsInputError(
+            f"device={spec} with {world_size} processes (WORLD_SIZE={world_size}) would put "
+            "every rank on the same GPU; use device=cuda (one GPU per local rank) and "
+            "distributed.gpu_ids=[...] to choose which GPUs"
+        )
+    if gpu_ids is not None and spec in ("cuda", "auto"):
+        ids = list(gpu_ids)
+        if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+            raise GearsInputError(f"distributed.gpu_ids={ids} must be non-negative GPU indices")
+        if len(set(ids)) != len(ids):
+            raise GearsInputError(f"distributed.gpu_ids={ids} names a GPU twice")
+        needed = max(local_rank + 1, local_world_size or 0)
+        if needed > len(ids) and (spec == "cuda" or device_count > 0):
+            raise GearsInputError(
+                f"{who}: distributed.gpu_ids={ids} has {len(ids)} entries but this node runs "
+                f"{'at least ' if local_world_size is None else ''}{needed} processes; give one "
+                "GPU id per process on a node"
+            )
     if spec == "auto":
-        spec = "cuda" if torch.cuda.is_available() else "cpu"
-    if spec == "cuda":
-        if not torch.cuda.is_available():
-            raise GearsInputError("device=cuda but no CUDA device is available; use device=cpu")
-        index = gpu_ids[local_rank] if gpu_ids else local_rank % torch.cuda.device_count()
-        return torch.device("cuda", int(index))
-    if spec.startswith("cuda:") and not torch.cuda.is_available():
+        spec = "cuda" if device_count > 0 else "cpu"
+    if spec.startswith("cuda") and device_count == 0:
         raise GearsInputError(f"device={spec} but no CUDA device is available; use device=cpu")
-    return torch.device(spec)
+    if spec == "cuda":
+        if gpu_ids is not None:
+            index = int(gpu_ids[local_rank])
+            if index >= device_count:
+                raise GearsInputError(
+                    f"{who}: distributed.gpu_ids={list(gpu_ids)} names GPU {index}, but only "
+                    f"{device_count} GPU(s) are visible (0..{device_count - 1}; check "
+                    "CUDA_VISIBLE_DEVICES)"
+                )
+            return torch.device("cuda", index)
+        if local_world_size is not None and local_world_size > device_count:
+            raise GearsInputError(
+                f"{who}: {local_world_size} processes on this node but only {device_count} "
+                "GPU(s) visible; start one process per GPU (--nproc_per_node / NPROC_PER_NODE)"
+            )
+        return torch.device("cuda", local_rank % device_count)
+    if spec.startswith("cuda:"):
+        index = spec.split(":", 1)[1]
+        if not index.isdigit() or int(index) >= device_count:
+            raise GearsInputError(
+                f"device={spec}: only {device_count} GPU(s) are visible (cuda:0..cuda:"
+                f"{device_count - 1})"
+            )
+        return torch.device("cuda", int(index))
+    try:
+        return torch.device(spec)
+    except RuntimeError:
+        raise GearsInputError(
+            f"device={spec!r} is not a device (auto, cpu, cuda, cuda:N)"
+        ) from None
+
+
+def visible_gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def choose_device(
+    spec: str, local_rank: int = 0, gpu_ids: list | None = None, world_size: int = 1
+) -> torch.device:
+    """resolve_device for this process and node; a CUDA device becomes the current device, so
+    that code using the current device (bf16 support checks, new tensors) uses this GPU."""
+    if gpu_ids and spec != "cpu":
+        check_gpu_ids(gpu_ids, visible_gpus())  # ids for GPUs this machine does not have
+    local_world = os.environ.get("LOCAL_WORLD_SIZE")
+    dev = resolve_device(
+        spec,
+        local_rank,
+        world_size,
+        gpu_ids,
+        visible_gpus(),
+        rank=int(os.environ.get("RANK", local_rank)),
+        local_world_size=int(local_world) if local_world and world_size > 1 else None,
+    )
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)  # GPU-only
+    return dev
+
+
+def allow_tf32(device: torch.device) -> None:
+    """TF32 matmuls and convolutions on CUDA (Ampere+): ~fp32 accuracy for this model's
+    normalised activations at several times the speed. Nothing changes on CPU."""
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")  # GPU-only
+        torch.backends.cudnn.allow_tf32 = True  # GPU-only
 
 
 def init_distributed(
-    device: str = "auto", backend: str = "auto", timeout_s: int = 300, gpu_ids: list | None = None
+    device: str = "auto",
+    backend: str = "auto",
+    timeout_s: int = 1800,
+    gpu_ids: list | None = None,
+    store: dist.Store | None = None,
 ) -> DistEnv:
     """Join the process group described by the environment (torchrun or Slurm); world size 1
-    without those variables. Backend: NCCL when the device is CUDA, gloo otherwise."""
+    without those variables. Backend: NCCL when the device is CUDA, gloo otherwise.
+
+    store: the rendezvous store from `rendezvous_store` when the caller already used it (to
+    prepare the data before the group existed); None: env:// rendezvous."""
     slurm_to_env()
     rank, local_rank, world_size = launch_ranks()
-    dev = choose_device(device, local_rank, gpu_ids)
+    dev = choose_device(device, local_rank, gpu_ids, world_size)
     if world_size == 1:
         return DistEnv(0, 0, 1, dev, None)
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
     if backend == "auto":
         backend = "nccl" if dev.type == "cuda" else "gloo"
     if backend == "nccl" and dev.type != "cuda":
         raise GearsInputError("distributed.backend=nccl needs CUDA devices; use gloo on CPU")
     addr = os.environ.get("MASTER_ADDR", "?")
     port = os.environ.get("MASTER_PORT", "?")
+    timeout = datetime.timedelta(seconds=timeout_s)
     try:
+        if store is not None:
+            store.set_timeout(timeout)
         dist.init_process_group(
             backend=backend,
+            store=store,
             rank=rank,
             world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            timeout=timeout,
+            # Binds the NCCL communicator to this GPU now (eager init, no barrier warning).
+            device_id=dev if dev.type == "cuda" else None,  # GPU-only
         )
     except Exception as e:  # rendezvous failures come in many exception types
         raise RuntimeError(
@@ -173,7 +308,108 @@ def init_distributed(
     return DistEnv(rank, local_rank, world_size, dev, backend)
 
 
+def rendezvous_store(wait_s: float) -> tuple[dist.Store, int, int]:
+    """The launcher's key-value store (rank 0's TCPStore, or torchrun's agent store) before any
+    process group exists: (store, rank, world_size). Waiting on its keys is not a collective, so
+    no collective timeout or NCCL watchdog applies; `init_distributed(store=...)` reuses it."""
+    timeout = datetime.timedelta(seconds=wait_s)
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    return store, rank, world_size
+
+
+T = TypeVar("T")
+
+
+class _PeerFailed(GearsInputError):
+    """Another rank's data step failed; its message is passed on."""
+
+
+def _wait_key(store: dist.Store, key: str, wait_s: float, rank: int, whom: str, told: str) -> None:
+    try:
+        store.wait([key], datetime.timedelta(seconds=wait_s))
+        value = store.get(key)
+    except Exception as e:  # DistStoreError on timeout, or the store host went away
+        raise GearsInputError(
+            f"rank {rank} waited for {whom} to prepare the data and gave up after at most "
+            f"{wait_s:.0f}s ({type(e).__name__}). If the data step legitimately takes longer, "
+            "raise distributed.data_wait_s; otherwise see that rank's error."
+        ) from None
+    if value != b"ok":
+        store.add(told, 1)  # the failing rank waits (briefly) until every rank has read it
+        raise _PeerFailed(
+            f"rank {rank}: {whom} failed to prepare the data ({value.decode(errors='replace')})"
+        )
+
+
+def build_in_stages(
+    build: Callable[[], T],
+    store: dist.Store,
+    rank: int,
+    local_rank: int,
+    world_size: int,
+    wait_s: float,
+    prefix: str = "gears/data",
+) -> T:
+    """Every rank's `build()` (loading the data) before the process group exists, writers first.
+
+    Rank 0 builds alone (downloads, processes, writes caches). Then the local rank 0 of every
+    other node builds: it reads rank 0's caches on a shared filesystem, or writes its node's own
+    copy on node-local disks. Then the remaining ranks of each node read their node's cache. No
+    two processes of a node write the same cache at once. Waits use the store with `wait_s` (the
+    generous distributed.data_wait_s), never the collective timeout; a failure in a writer is
+    passed on so the waiting ranks stop at once with its message.
+    """
+    prefix = f"{prefix}/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    node_key = f"{prefix}/node/{socket.gethostname()}"
+    first_key = f"{prefix}/rank0"
+    told = f"{prefix}/told"
+    try:
+        if rank != 0 and local_rank == 0:
+            _wait_key(store, first_key, wait_s, rank, "rank 0", told)
+        elif rank != 0:
+            _wait_key(store, node_key, wait_s, rank, "local rank 0 of this node", told)
+        result = build()
+    except BaseException as e:
+        if rank == 0 or local_rank == 0:  # writers tell the ranks waiting for them
+            msg = str(e) if isinstance(e, _PeerFailed) else f"rank {rank}: {type(e).__name__}: {e}"
+            for key in (first_key, node_key) if rank == 0 else (node_key,):
+                store.set(key, msg[:2000])
+        if rank == 0:  # the store lives in this process: keep it up until they have read it
+            deadline = time.monotonic() + 10
+            while store.add(told, 0) < world_size - 1 and time.monotonic() < deadline:
+                time.sleep(0.1)
+        raise
+    if rank == 0:
+        store.set(first_key, "ok")
+    if local_rank == 0 or rank == 0:
+        store.set(node_key, "ok")
+    # Nobody joins the group (whose connect timeout is the collective one) before all are ready.
+    if store.add(f"{prefix}/built", 1) == world_size:
+        store.set(f"{prefix}/all", "ok")
+    _wait_key(store, f"{prefix}/all", wait_s, rank, "the other ranks", told)
+    return result
+
+
+def release(env: DistEnv) -> DistEnv:
+    """Leave the process group together, on every rank at the same point: a barrier, then
+    destroy. Returns this rank's env without a group, for rank-0-only work that may take longer
+    than any collective timeout (scoring, baselines, plots). The caller drops its DDP wrapper
+    first: a reducer freed later from a Python dealloc with the GIL held used to be what
+    destroyed the gloo group and joined its worker thread, which waited for the GIL (a hang
+    seen with torch 2.13)."""
+    if not (env.distributed and dist.is_initialized()):
+        return env
+    gc.collect()  # free unreferenced DDP reducers now, while the group is still alive
+    dist.barrier()
+    # The barrier's work may still be releasing its tensors on gloo's thread (it takes the GIL):
+    # give it the GIL before shutting the thread down.
+    time.sleep(0.05)
+    dist.destroy_process_group()
+    return DistEnv(env.rank, env.local_rank, env.world_size, env.device, None)
+
+
 def cleanup(env: DistEnv) -> None:
+    """Destroy the group if `release` did not (an error path: no barrier, a peer may be gone)."""
     if env.distributed and dist.is_initialized():
         dist.destroy_process_group()
 

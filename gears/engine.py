@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gears import checkpoint as ckpt
@@ -22,6 +23,7 @@ from gears.distributed import (
     all_gather_objects,
     all_reduce_max,
     all_reduce_mean,
+    allow_tf32,
     barrier,
     broadcast_object,
 )
@@ -61,8 +63,10 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
     if precision == "fp32":
         return None
     if precision == "bf16":
-        if device.type == "cuda" and not torch.cuda.is_bf16_supported():
-            raise GearsInputError("train.precision=bf16 is not supported by this GPU; use fp16")
+        # Emulated bf16 (V100, T4) is far slower than fp16 there: ask for the native kind.
+        if device.type == "cuda":
+            if not torch.cuda.is_bf16_supported(including_emulation=False):  # GPU-only
+                raise GearsInputError("train.precision=bf16 is not supported by this GPU; use fp16")
         return torch.bfloat16
     if precision == "fp16":
         if device.type != "cuda":
@@ -74,12 +78,23 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
     raise GearsInputError(f"unknown train.precision {precision!r} (fp32, bf16, fp16)")
 
 
-def make_optimizer(params, cfg: TrainConfig) -> torch.optim.Optimizer:
+def optimizer_kernel(optimizer: str, device: torch.device) -> dict[str, bool | None]:
+    """The update kernel for a device: fused Adam/AdamW on CUDA (one kernel for all parameters),
+    the multi-tensor `foreach` path elsewhere."""
+    if device.type == "cuda" and optimizer in ("adam", "adamw"):
+        return {"fused": True, "foreach": None}  # GPU-only
+    return {"fused": None, "foreach": True}
+
+
+def make_optimizer(
+    params, cfg: TrainConfig, device: torch.device | None = None
+) -> torch.optim.Optimizer:
     """Adam with L2 weight decay, as GEARS (adamw and plain sgd on request)."""
     kinds = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
     if cfg.optimizer not in kinds:
         raise GearsInputError(f"unknown train.optimizer {cfg.optimizer!r}: {sorted(kinds)}")
-    return kinds[cfg.optimizer](params, lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=True)
+    kernel = optimizer_kernel(cfg.optimizer, device or torch.device("cpu"))
+    return kinds[cfg.optimizer](params, lr=cfg.lr, weight_decay=cfg.weight_decay, **kernel)
 
 
 def make_scheduler(opt: torch.optim.Optimizer, cfg: TrainConfig):
@@ -107,26 +122,46 @@ def selection_score(rule: str, val: dict, loss: float, epoch: int) -> float:
     return val.get(rule.removeprefix("val_"), loss)
 
 
-def rng_state() -> dict:
-    """Every generator's state as tensors and plain values (loadable with weights_only=True)."""
+def rng_state(device: torch.device | None = None) -> dict:
+    """Host RNG states, plus the CUDA generator of this process's own GPU (one per rank; not
+    every visible GPU's, which another machine may not have)."""
     name, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
         "python": random.getstate(),
         "numpy": [name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if device is not None and device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)  # GPU-only
     return state
 
 
-def set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict, device: torch.device | None = None) -> None:
+    """Restore `rng_state`'s output on any device. RNG states must be CPU byte tensors whatever
+    device wrote the file; a CUDA state is restored only into this process's GPU, and a state
+    from an older checkpoint (a list, one per GPU) gives this GPU's entry or the first."""
     random.setstate(state["python"])
     name, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    torch.set_rng_state(_cpu_bytes(state["torch"]))
+    cuda = state.get("cuda")
+    if cuda is None or device is None or device.type != "cuda":
+        return
+    if isinstance(cuda, (list, tuple)):
+        cuda = cuda[device.index] if (device.index or 0) < len(cuda) else cuda[0]
+    torch.cuda.set_rng_state(_cpu_bytes(cuda), device)  # GPU-only
+
+
+def _cpu_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", torch.uint8)
+
+
+def graph_buffer_names(net: torch.nn.Module) -> list[str]:
+    """The network's fixed graph buffers (identical on every rank, never to be broadcast)."""
+    names = getattr(net, "graph_buffer_names", None)
+    if callable(names):
+        return list(names())
+    return [n for n, _ in net.named_buffers() if "edge" in n.rsplit(".", 1)[-1]]
 
 
 def _fault_injection(epoch: int, step: int, env: DistEnv, where: str) -> None:
@@ -174,14 +209,18 @@ class Trainer:
         self.wandb = wandb_run
         self.seed = seed
         self.device = env.device
+        allow_tf32(self.device)
         self.amp_dtype = autocast_dtype(train_cfg.precision, self.device)
         self.net = model.to(self.device)
         dist_cfg = dist_cfg or DistributedConfig()
         if env.distributed:
             self.net.set_sync_batchnorm(dist_cfg.sync_batchnorm)
+            # The graphs are built identically on every rank: DDP's default would broadcast
+            # them (MBs at genome scale) from rank 0 before every forward.
+            DDP._set_params_and_buffers_to_ignore_for_model(self.net, graph_buffer_names(self.net))
             self.model = DDP(
                 self.net,
-                device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                device_ids=[self.device.index] if self.device.type == "cuda" else None,  # GPU-only
                 find_unused_parameters=dist_cfg.find_unused_parameters,
                 static_graph=dist_cfg.static_graph,
                 gradient_as_bucket_view=dist_cfg.gradient_as_bucket_view,
@@ -190,7 +229,7 @@ class Trainer:
             self.model = self.net
         if train_cfg.compile:  # distinct-perturbation rows padded to a few sizes in loss_on
             self.model = torch.compile(self.model, dynamic=False)
-        self.opt = make_optimizer(self.net.parameters(), train_cfg)
+        self.opt = make_optimizer(self.net.parameters(), train_cfg, self.device)
         self.sched = make_scheduler(self.opt, train_cfg)
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.amp_dtype == torch.float16)
         self.gene_mask = torch.as_tensor(pert_data.non_zero_mask, device=self.device)
@@ -449,6 +488,7 @@ class Trainer:
             if self.partial is not None:  # stopped by SIGTERM within the epoch
                 self.stop_on_signal()
             train_s = time.perf_counter() - t0
+            self.sync_buffers()
             self.sched.step()
             val = self.evaluator.quick("val") if has_val else {}
             self.epoch = epoch + 1
@@ -532,6 +572,35 @@ class Trainer:
             print(f"SIGTERM received: stopped at {pos}; {saved}", flush=True)
         raise TrainingStopped(f"stopped by SIGTERM at step {self.step}")
 
+    def sync_buffers(self) -> None:
+        """Rank 0's batch-norm running statistics on every rank. Without sync_batchnorm each rank
+        updates them with its own batches after DDP's pre-forward broadcast, so evaluation
+        (chunks dealt to ranks), the best state and checkpoints would depend on the rank."""
+        if not self.env.distributed:
+            return
+        graphs = set(graph_buffer_names(self.net))
+        for name, buf in self.net.named_buffers():
+            if name not in graphs:
+                dist.broadcast(buf, src=0)
+
+    def unwrap(self) -> None:
+        """Drop the DDP wrapper (after training), so that it is freed while the process group
+        is still alive rather than at exit (see distributed.release)."""
+        self.model = self.net
+
+    def _use_device_kernel(self) -> None:
+        """A loaded optimizer state carries the writer's kernel choice (fused on CUDA, foreach on
+        CPU) and puts Adam's step counters where that kernel wants them: switch both to this
+        device's kernel (fused wants the counters on the GPU, foreach on the host)."""
+        kernel = optimizer_kernel(self.cfg.optimizer, self.device)
+        for group in self.opt.param_groups:
+            group.update(kernel)
+            for p in group["params"]:
+                step = self.opt.state.get(p, {}).get("step")
+                if torch.is_tensor(step):
+                    where = p.device if kernel["fused"] else torch.device("cpu")
+                    self.opt.state[p]["step"] = step.to(where, torch.float32)
+
     # ---------------------------------------------------------------------------- checkpoints
     def meta(self) -> dict:
         """What a checkpoint must share with the run resuming it (checked by name on resume)."""
@@ -567,7 +636,7 @@ class Trainer:
             "optimizer": self.opt.state_dict(),
             "scheduler": self.sched.state_dict(),
             "scaler": self.scaler.state_dict(),
-            "rng": rng_state(),
+            "rng": rng_state(self.device),
             "epoch": self.epoch,
             "step": self.step,
             "best_metric": float(self.best_metric),
@@ -592,7 +661,9 @@ class Trainer:
         """Continue from the newest readable checkpoint in out_dir/checkpoints, if any."""
         folder = os.path.join(self.out_dir, "checkpoints")
         log = print if self.env.is_main else (lambda *_: None)
-        state = ckpt.load_latest(folder, map_location=self.device, log=log)
+        # On the CPU whatever device wrote it: load_state_dict moves weights and optimizer state
+        # to the parameters' device, and RNG states must stay CPU tensors.
+        state = ckpt.load_latest(folder, map_location="cpu", log=log)
         if state is None:
             log(f"train.resume: no checkpoint in {folder}; starting from scratch")
             return False
@@ -605,9 +676,12 @@ class Trainer:
         ckpt.check_compatible(state, state["path"], expected)
         self.net.load_state_dict(state["model"])
         self.opt.load_state_dict(state["optimizer"])
+        self._use_device_kernel()
         self.sched.load_state_dict(state["scheduler"])
-        self.scaler.load_state_dict(state["scaler"])
-        set_rng_state(state["rng"])
+        # An fp32 or bf16 run saves a disabled scaler's empty state; fp16 then starts afresh.
+        if state["scaler"]:
+            self.scaler.load_state_dict(state["scaler"])
+        set_rng_state(state["rng"], self.device)
         self.epoch, self.step = state["epoch"], state["step"]
         self.best_metric, self.best_epoch = state["best_metric"], state["best_epoch"]
         self.best_state, self.stale_epochs = state["best_state"], state["stale_epochs"]

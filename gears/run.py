@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -13,7 +14,7 @@ import numpy as np
 
 from gears import checkpoint as ckpt
 from gears.config import Config, load_config
-from gears.distributed import DistEnv, barrier
+from gears.distributed import DistEnv, build_in_stages, release
 from gears.errors import GearsInputError, TrainingStopped
 from gears.runtime import set_threads, tune_allocator
 
@@ -47,9 +48,25 @@ def config_from_args(args) -> Config:
     return load_config(args.config, args.overrides, base=base)
 
 
-def load_pert_data(cfg: Config, env: DistEnv):
-    """Rank 0 loads first (downloads, writes caches); the other ranks then read the same files."""
+def injected_delay(stage: str, rank: int) -> None:
+    """Test hook: GEARS_TEST_SLOW_RANK0=data:10,scoring:10 makes rank 0's data step or scoring
+    that many seconds slower (tests that no other rank waits for them in a collective)."""
+    spec = os.environ.get("GEARS_TEST_SLOW_RANK0")
+    if rank != 0 or not spec:
+        return
+    delays = dict(item.split(":") for item in spec.split(","))
+    if stage in delays:
+        time.sleep(float(delays[stage]))
+
+
+def load_pert_data(cfg: Config, env: DistEnv, store=None):
+    """Every rank's PertData; rank 0 first (downloads, writes caches), then the others read them.
+
+    The ranks wait for each other on a store (`build_in_stages`, distributed.data_wait_s), never
+    in a collective: train_distributed.py passes the rendezvous store before the process group
+    exists (env has no group yet); a caller already in a group uses the group's store."""
     from gears.data.pertdata import PertData
+    from gears.engine import seed_everything
 
     def build():
         pd_ = PertData(
@@ -86,9 +103,20 @@ def load_pert_data(cfg: Config, env: DistEnv):
         )
         return pd_
 
-    pert_data = build() if env.is_main else None
-    barrier(env)
-    return pert_data if env.is_main else build()
+    def staged():
+        injected_delay("data", env.rank)
+        seed_everything(cfg.seed)  # the same state whichever rank or launcher builds
+        return build()
+
+    if store is None and env.distributed:
+        import torch.distributed as dist
+
+        store = dist.distributed_c10d._get_default_store()
+    if store is None:
+        return staged()
+    return build_in_stages(
+        staged, store, env.rank, env.local_rank, env.world_size, cfg.distributed.data_wait_s
+    )
 
 
 def init_wandb(cfg: Config, env: DistEnv):
@@ -181,8 +209,13 @@ def train_fit(evaluator, pert_data, pred_mean: np.ndarray) -> dict:
     return {"train_fit": fit, "train_fit_baselines": baselines}
 
 
-def run(cfg: Config, env: DistEnv) -> dict | None:
-    """Train on cfg's data, evaluate on test with baselines, write the run directory (rank 0)."""
+def run(cfg: Config, env: DistEnv, pert_data=None) -> dict | None:
+    """Train on cfg's data, evaluate on test with baselines, write the run directory (rank 0).
+
+    pert_data: this rank's data when the launcher prepared it before joining the group. After
+    the test predictions are gathered every rank leaves the process group (`release`); the other
+    ranks return None and rank 0 scores, runs baselines, plots and writes with no collective
+    pending, however long that takes."""
     from gears.api import GEARS, model_kwargs
     from gears.baselines import baseline_predictions
     from gears.engine import seed_everything
@@ -199,7 +232,8 @@ def run(cfg: Config, env: DistEnv) -> dict | None:
     if env.is_main:
         (out / "plots").mkdir(parents=True, exist_ok=True)
         cfg.save(out / "config.yaml")
-    pert_data = load_pert_data(cfg, env)
+    if pert_data is None:
+        pert_data = load_pert_data(cfg, env)
     set_threads(cfg.train.threads)  # after the data: scanpy's numba DE resets torch's pool
     tune_allocator()  # glibc keeps freed activations: no per-step page faults
     wandb_run = init_wandb(cfg, env)
@@ -218,8 +252,14 @@ def run(cfg: Config, env: DistEnv) -> dict | None:
     pred = evaluator.predict_means("test") if has_test else None  # every rank takes part
     has_train = bool([c for c in pert_data.set2conditions.get("train", []) if c != "ctrl"])
     train_pred = evaluator.predict_means("train") if has_train else None
+    # Every collective (each gathered prediction) must come before this point: the ranks leave
+    # the group here and rank 0 alone scores below, with no collective timeout pending.
+    model.trainer.unwrap()  # DDP is not needed any more; free it while the group is alive
+    env = release(env)  # the last collective: the other ranks are done
+    model.env = evaluator.env = env
     results = None
     if env.is_main:
+        injected_delay("scoring", env.rank)
         results = {
             "dataset": pert_data.dataset_name,
             "split": cfg.split.type,
@@ -296,7 +336,6 @@ def run(cfg: Config, env: DistEnv) -> dict | None:
         if wandb_run is not None:
             wandb_run.summary.update({f"test/{k}": v for k, v in results["test"].items()})
             wandb_run.finish()
-    barrier(env)
     return results
 
 

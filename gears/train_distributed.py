@@ -10,26 +10,65 @@ import torch
 import torch.multiprocessing as mp
 
 from gears.config import Config, load_config
-from gears.distributed import check_port_free, cleanup, find_free_port, init_distributed
+from gears.distributed import (
+    DistEnv,
+    check_port_free,
+    choose_device,
+    cleanup,
+    find_free_port,
+    in_srun_task,
+    init_distributed,
+    rendezvous_store,
+    resolve_device,
+    slurm_to_env,
+    visible_gpus,
+)
 from gears.errors import GearsInputError
 
 
 def launched_externally() -> bool:
-    """True under torchrun (RANK set) or a multi-task srun (SLURM_NTASKS > 1)."""
-    return "RANK" in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) > 1
+    """True under torchrun (RANK set) or in one task of a multi-task srun step. The batch script
+    of a multi-task allocation is not a task (SLURM_NTASKS > 1 there describes the allocation):
+    there `python train_distributed.py` spawns local processes like on a workstation and says
+    how to use every task (see `batch_script_note`)."""
+    return "RANK" in os.environ or (in_srun_task() and int(os.environ.get("SLURM_NTASKS", "1")) > 1)
+
+
+def batch_script_note() -> str | None:
+    """What to tell a user who ran train_distributed.py in a multi-task batch script, not srun."""
+    ntasks = int(os.environ.get("SLURM_NTASKS", "1") or 1)
+    if "RANK" in os.environ or in_srun_task() or ntasks <= 1:
+        return None
+    return (
+        f"note: SLURM_NTASKS={ntasks} but this process is the batch script, not an srun task; "
+        "starting local processes on this node only (--nproc). To use every task run "
+        "`srun python train_distributed.py ...` or ./run_multi_node.sh"
+    )
 
 
 def worker_main(cfg: Config) -> dict | None:
-    """One rank: join the group from the environment, train, leave the group."""
-    from gears.run import run
+    """One rank: data first (before any process group, see `build_in_stages`), then join the
+    group, train, gather predictions, leave the group; rank 0 then scores alone."""
+    from gears.run import load_pert_data, run
 
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         cfg.train.resume = True  # a torchrun restart continues from the last checkpoint
-    env = init_distributed(
-        cfg.device, cfg.distributed.backend, cfg.distributed.timeout_s, cfg.distributed.gpu_ids
-    )
+    slurm_to_env()
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    # A device contradiction fails here, before any data work or rendezvous.
+    device = choose_device(cfg.device, local_rank, cfg.distributed.gpu_ids, world_size)
+    d = cfg.distributed
+    store = None
+    pert_data = None
+    if world_size > 1:
+        store, rank, world_size = rendezvous_store(d.data_wait_s)
+        before_group = DistEnv(rank, local_rank, world_size, device, backend=None)
+        pert_data = load_pert_data(cfg, before_group, store=store)
+    env = init_distributed(cfg.device, d.backend, d.timeout_s, d.gpu_ids, store=store)
     try:
-        return run(cfg, env)
+        return run(cfg, env, pert_data)
     finally:
         cleanup(env)
 
@@ -60,21 +99,29 @@ def spawn(cfg: Config, nproc: int | None = None) -> dict | None:
     nproc = nproc or default_nproc(cfg)
     if nproc < 1:
         raise GearsInputError(f"--nproc must be >= 1, got {nproc}")
-    if cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available()):
-        available = torch.cuda.device_count()
-        wanted = cfg.distributed.gpu_ids or list(range(nproc))
-        if len(wanted) < nproc or max(wanted) >= available:
-            raise GearsInputError(
-                f"{nproc} processes need {nproc} GPUs; distributed.gpu_ids="
-                f"{cfg.distributed.gpu_ids} but {available} are visible"
-            )
+    # Every rank's device, checked here so that a bad combination is one line, not N tracebacks.
+    gpus = visible_gpus()
+    for local_rank in range(nproc):
+        resolve_device(
+            cfg.device,
+            local_rank,
+            nproc,
+            cfg.distributed.gpu_ids,
+            gpus,
+            local_world_size=nproc,
+        )
     addr = cfg.distributed.master_addr
     port = cfg.distributed.master_port
     if port:
         check_port_free(addr, port)
     else:
         port = find_free_port(addr)
-    mp.spawn(_spawned, args=(nproc, cfg, addr, port), nprocs=nproc, join=True)
+    try:
+        mp.spawn(_spawned, args=(nproc, cfg, addr, port), nprocs=nproc, join=True)
+    except mp.ProcessExitedException as e:
+        if e.exit_code == 2:  # bad input, which the worker has printed: no traceback here
+            raise GearsInputError(f"process {e.error_index} stopped on the error above") from None
+        raise
     metrics = Path(cfg.out_dir) / "metrics.json"
     return json.loads(metrics.read_text()) if metrics.exists() else None
 

@@ -307,7 +307,8 @@ def test_taken_master_port_is_a_clear_error(tmp_path):
     assert not (tmp_path / "run").exists()  # refused before any work
 
 
-SLURM = {
+SLURM = {  # task 5 of `srun` step 0 (the batch script itself has no step id; see test_gpu_twins)
+    "SLURM_STEP_ID": "0",
     "SLURM_PROCID": "5",
     "SLURM_LOCALID": "1",
     "SLURM_NTASKS": "8",

@@ -203,9 +203,34 @@ def _fetch_part(url: str, dest: Path, part: Path, timeout: float, progress: bool
     if total is not None and received < total:
         raise DownloadError(
             f"download of {url} stopped at {received} of {total} bytes; run again to resume "
-            f"from {part}. {_manual_fix(url, dest)}"
+            f"from {_resumable_part(dest)}. {_manual_fix(url, dest)}"
         )
     return digest.hexdigest()
+
+
+def _resumable_part(dest: Path) -> Path:
+    """Where an interrupted download waits to be resumed: ``dest + '.part'``."""
+    return dest.with_name(dest.name + ".part")
+
+
+def _own_part(dest: Path) -> Path:
+    """This process's partial file, ``dest.<host>.<pid>.part``: processes on several nodes (or
+    ranks of one node) downloading into one shared folder never write the same file. A leftover
+    ``dest.part`` is claimed by an atomic rename, so exactly one process resumes it."""
+    own = dest.with_name(f"{dest.name}.{socket.gethostname()}.{os.getpid()}.part")
+    try:
+        os.rename(_resumable_part(dest), own)
+    except FileNotFoundError:
+        pass  # nothing to resume, or another process claimed it first
+    return own
+
+
+def _keep_for_resume(part: Path, dest: Path) -> None:
+    """Hand an interrupted partial file back as ``dest.part`` for the next attempt to resume."""
+    if part.is_file() and part.stat().st_size:
+        os.replace(part, _resumable_part(dest))
+    else:
+        part.unlink(missing_ok=True)
 
 
 def download(
@@ -218,8 +243,9 @@ def download(
 ) -> Path:
     """Download ``url`` to ``dest`` once; later calls verify the file and make no request.
 
-    Bytes go to ``dest + '.part'`` (resumed with an HTTP Range request when the server honours
-    it) and are renamed into place only when complete and verified. Verification: against
+    Bytes go to a per-process ``dest.<host>.<pid>.part`` (an interrupted download is left as
+    ``dest + '.part'`` and resumed with an HTTP Range request when the server honours it) and
+    are renamed into place only when complete and verified. Verification: against
     ``sha256`` when given, else against the size and sha256 recorded in ``<dir>/.checksums.json``
     by the first successful download. A bad file is deleted and ``DownloadError`` raised;
     network failures raise ``DownloadError`` saying what to download by hand and where to put it.
@@ -231,13 +257,18 @@ def download(
         if expected_sha or size is not None:
             _verify(dest, dest, size, expected_sha, source)
         return dest
-    part = dest.with_name(dest.name + ".part")
+    part = _own_part(dest)
     try:
         actual_sha = _fetch_part(url, dest, part, timeout, progress)
     except DownloadError:
+        _keep_for_resume(part, dest)
         raise
     except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as err:
+        _keep_for_resume(part, dest)
         raise _network_error(url, dest, err) from err
+    except BaseException:
+        _keep_for_resume(part, dest)
+        raise
     if expected_sha and actual_sha != expected_sha:
         part.unlink(missing_ok=True)
         raise DownloadError(

@@ -1,0 +1,445 @@
+"""CPU twins of the GPU and cluster paths (GPU_REVIEW.md defects 1, 3, 4, 7, 8, 11, 12, 13, 14):
+device choice per rank, resuming files written on another device, DDP's broadcast list, rank
+-independent evaluation, rank-0 work beyond the collective timeout, Slurm launch variables.
+What only a real GPU can show is listed in README.md ("GPUs and clusters")."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import threading
+import time
+import zipfile
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+from test_distributed import TINY_RUN, _env, _launch, _metrics, clean_launch_env  # noqa: F401
+from test_engine import TINY, ListLoader, build, group_batches
+
+from gears import checkpoint as ckpt
+from gears.config import Config, DistributedConfig, TrainConfig
+from gears.data.pertdata import PertData
+from gears.distributed import (
+    DistEnv,
+    allow_tf32,
+    build_in_stages,
+    cleanup,
+    default_master_port,
+    find_free_port,
+    init_distributed,
+    resolve_device,
+    slurm_to_env,
+)
+from gears.engine import Trainer, graph_buffer_names, optimizer_kernel, rng_state, set_rng_state
+from gears.errors import GearsInputError
+from gears.evaluate import predict_deltas
+from gears.run import load_pert_data
+from gears.train_distributed import batch_script_note, launched_externally
+
+ROOT = Path(__file__).resolve().parents[1]
+GRAPHS = {"go_edge_index", "go_edge_weight", "co_edge_index", "co_edge_weight"}
+
+
+# ------------------------------------------------------------------ device per rank (4, 12)
+def test_cuda_n_with_several_processes_is_refused_before_looking_for_gpus():
+    # device_count=0: the contradiction is named, not "no CUDA device".
+    for count in (0, 8):
+        with pytest.raises(GearsInputError, match=r"device=cuda:1 with 2 processes.*same GPU"):
+            resolve_device("cuda:1", local_rank=0, world_size=2, device_count=count)
+    assert resolve_device("cuda:1", 0, 1, None, 2) == torch.device("cuda", 1)
+
+
+def test_short_or_wrong_gpu_ids_name_rank_local_rank_and_ids():
+    with pytest.raises(GearsInputError, match=r"rank 5 \(local_rank 1\).*gpu_ids=\[3\]"):
+        resolve_device("cuda", local_rank=1, world_size=8, gpu_ids=[3], device_count=0, rank=5)
+    with pytest.raises(GearsInputError, match=r"local_rank 1.*names GPU 7.*only 4 GPU"):
+        resolve_device("cuda", local_rank=1, world_size=2, gpu_ids=[0, 7], device_count=4)
+    with pytest.raises(GearsInputError, match=r"gpu_ids=\[0\] has 1 entries but this node runs 2"):
+        resolve_device("cuda", 0, 2, [0], 0, local_world_size=2)
+    with pytest.raises(GearsInputError, match="names a GPU twice"):
+        resolve_device("cuda", 0, 2, [1, 1], 4)
+    with pytest.raises(GearsInputError, match="non-negative"):
+        resolve_device("cuda", 0, 2, [0, -1], 4)
+    with pytest.raises(GearsInputError, match="4 processes on this node but only 2 GPU"):
+        resolve_device("cuda", 3, 4, None, 2, local_world_size=4)
+    with pytest.raises(GearsInputError, match="no CUDA device"):
+        resolve_device("cuda", 0, 1, None, 0)
+    with pytest.raises(GearsInputError, match="only 2 GPU"):
+        resolve_device("cuda:2", 0, 1, None, 2)
+
+
+def test_device_of_each_rank():
+    assert resolve_device("cuda", 1, 2, [2, 3], 4) == torch.device("cuda", 3)
+    assert resolve_device("auto", 1, 2, [2, 3], 4) == torch.device("cuda", 3)
+    # Slurm binding one GPU per task: every task sees one device, local ranks 0..3.
+    assert resolve_device("cuda", 3, 8, None, 1) == torch.device("cuda", 0)
+    assert resolve_device("cuda", 2, 8, None, 4, local_world_size=4) == torch.device("cuda", 2)
+    # No GPU: auto is the CPU, and gpu_ids (for GPU machines) do not matter.
+    assert resolve_device("auto", 3, 4, [0], 0) == torch.device("cpu")
+    assert resolve_device("cpu", 3, 4, [0], 4) == torch.device("cpu")
+
+
+@pytest.mark.slow
+def test_launcher_refuses_cuda_0_with_two_processes_in_one_line(tmp_path):
+    """`train_distributed.py --nproc 2 device=cuda:0`: exit 2, one line, before any work (the
+    other contradictions take the same path; their messages are checked above)."""
+    args = ["device=cuda:0"]
+    names = ["device=cuda:0", "2 processes"]
+    cmd = [sys.executable, str(ROOT / "train_distributed.py"), "--nproc", "2"]
+    cmd += [f"out_dir={tmp_path / 'run'}", f"data.data_dir={tmp_path / 'data'}", *args]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-2000:]
+    for name in names:
+        assert name in lines[0]
+    assert not (tmp_path / "run").exists()
+
+
+def test_tf32_only_on_cuda():
+    before = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    try:
+        torch.set_float32_matmul_precision("highest")
+        allow_tf32(torch.device("cpu"))
+        assert torch.get_float32_matmul_precision() == "highest"
+        allow_tf32(torch.device("cuda", 0))  # sets flags only; needs no GPU
+        assert torch.get_float32_matmul_precision() == "high"
+    finally:
+        torch.set_float32_matmul_precision(before[0])
+        torch.backends.cudnn.allow_tf32 = before[1]
+
+
+def test_fused_adam_on_cuda_foreach_elsewhere():
+    assert optimizer_kernel("adam", torch.device("cuda", 1)) == {"fused": True, "foreach": None}
+    assert optimizer_kernel("adamw", torch.device("cuda", 0))["fused"] is True
+    assert optimizer_kernel("adam", torch.device("cpu")) == {"fused": None, "foreach": True}
+    assert optimizer_kernel("sgd", torch.device("cuda", 0)) == {"fused": None, "foreach": True}
+
+
+# ------------------------------------------------------------------------- resume (1, 14)
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory) -> tuple[PertData, Path]:
+    """A 1-epoch run's checkpoint folder, written through Trainer.save_checkpoint."""
+    tmp = tmp_path_factory.mktemp("twins")
+    pd_ = PertData(tmp / "data", verbose=False).load("synthetic", synthetic_params=TINY)
+    pd_.prepare_split("simulation", seed=1)
+    model = build(pd_)
+    cfg = TrainConfig(epochs=1, limit_batches=3, schedule="constant", batch_size=32)
+    trainer = Trainer(model.model, pd_, cfg, model.model_config(), DistEnv(), out_dir=tmp / "run")
+    trainer.fit(pd_.get_dataloader_distributed(32, 64), progress=False)
+    return pd_, tmp / "run"
+
+
+def _trainer(pd_: PertData, out_dir: Path, device: str = "cpu", **kw) -> Trainer:
+    model = build(pd_, seed=5)  # other initial weights: resume must replace them
+    cfg = TrainConfig(epochs=2, limit_batches=3, schedule="constant", batch_size=32, **kw)
+    env = DistEnv(device=torch.device(device))
+    return Trainer(model.model, pd_, cfg, model.model_config(), env, out_dir=out_dir)
+
+
+def _as_written_on_cuda(src: Path, dst: Path, fused: bool = True) -> None:
+    """`src` as a CUDA process would have written it: every storage tagged cuda:0, the CUDA RNG
+    states of two GPUs (the older format) and fused Adam's parameter groups."""
+    state = ckpt.load(src)
+    state["rng"]["cuda"] = [torch.get_rng_state(), torch.get_rng_state()]
+    for group in state["optimizer"]["param_groups"]:
+        group.update(fused=fused, foreach=None)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(state, dst)
+    with zipfile.ZipFile(dst) as z:
+        entries = {name: z.read(name) for name in z.namelist()}
+    pkl = next(n for n in entries if n.endswith("/data.pkl"))
+    cpu = b"X\x03\x00\x00\x00cpu"  # the location string, pickled once and memoised after
+    assert entries[pkl].count(cpu) == 1
+    entries[pkl] = entries[pkl].replace(cpu, b"X\x06\x00\x00\x00cuda:0")
+    with zipfile.ZipFile(dst, "w", zipfile.ZIP_STORED) as z:
+        for name, data in entries.items():
+            z.writestr(name, data)
+
+
+def test_checkpoint_written_on_cuda_resumes_on_cpu(tiny_run, tmp_path):
+    pd_, run = tiny_run
+    src = ckpt.list_checkpoints(run / "checkpoints")[-1]
+    foreign = tmp_path / "checkpoints" / src.name
+    _as_written_on_cuda(src, foreign)
+    if not torch.cuda.is_available():  # the file really is a CUDA file: plain loading fails
+        with pytest.raises(RuntimeError, match="CUDA"):
+            torch.load(foreign, weights_only=False)
+    trainer = _trainer(pd_, tmp_path)
+    assert trainer.resume()
+    want = ckpt.load(src)
+    assert (trainer.epoch, trainer.step) == (want["epoch"], want["step"])
+    for k, v in want["model"].items():
+        assert torch.equal(trainer.net.state_dict()[k], v), k
+    assert torch.equal(torch.get_rng_state(), want["rng"]["torch"])
+    for group in trainer.opt.param_groups:  # this device's kernel, not the writer's
+        assert (group["fused"], group["foreach"]) == (None, True)
+    steps = [s["step"] for s in trainer.opt.state.values()]
+    assert steps and all(s.device.type == "cpu" for s in steps)
+    trainer.fit({"train_loader": ListLoader(group_batches(pd_, 8, 4, 2))}, progress=False)
+    assert trainer.epoch == 2 and all(p.isfinite().all() for p in trainer.net.parameters())
+
+
+@pytest.mark.filterwarnings("ignore:.*meta parameter")
+def test_resume_loads_to_cpu_whatever_the_device(tiny_run):
+    """The trainer on `meta` stands in for a GPU: the checkpoint must not be mapped to the
+    trainer's device, or the RNG states arrive as non-CPU tensors (`set_rng_state` rejects them,
+    as on CUDA)."""
+    pd_, run = tiny_run
+    trainer = _trainer(pd_, run, device="meta")
+    assert trainer.resume()
+    assert trainer.epoch == 1
+
+
+def test_fp32_checkpoint_resumes_with_an_enabled_scaler(tiny_run):
+    """An fp32 run saves a disabled GradScaler's empty state; fp16 (CUDA) then resumes with a
+    fresh scaler. The enabled CPU scaler stands in for the CUDA one."""
+    pd_, run = tiny_run
+    assert ckpt.load(ckpt.list_checkpoints(run / "checkpoints")[-1])["scaler"] == {}
+    trainer = _trainer(pd_, run)
+    trainer.scaler = torch.amp.GradScaler("cpu", enabled=True)
+    assert trainer.resume()
+    assert trainer.scaler.get_scale() == 2.0**16
+
+
+def test_rng_state_keeps_only_this_gpus_state():
+    state = rng_state(torch.device("cpu"))
+    assert "cuda" not in state
+    expected = torch.rand(3)
+    # A state from a GPU machine restores on the CPU (its CUDA part is not for this process).
+    set_rng_state({**state, "cuda": [torch.get_rng_state()] * 4}, torch.device("cpu"))
+    assert torch.equal(torch.rand(3), expected)
+
+
+# --------------------------------------------------------------------- DDP buffers (7, 11)
+def _ddp_worker(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+    )
+    torch.set_num_threads(1)
+    env = init_distributed("cpu", "gloo", timeout_s=120)
+    try:
+        # A caller's own script already in a group: rank 1 waits on the group's store while
+        # rank 0 builds the shared data folder, then reads rank 0's files.
+        cfg = Config()
+        cfg.data.synthetic, cfg.data.data_dir = dict(TINY), str(Path(out) / "data")
+        pd_ = load_pert_data(cfg, env)
+        model = build(pd_)
+        # Each rank its own batches, no synchronised batch-norm: running statistics diverge.
+        batches = group_batches(pd_, 8, 4, 2)[rank::world]
+        cfg = TrainConfig(epochs=1, schedule="constant", optimizer="sgd", lr=0.01)
+        trainer = Trainer(
+            model.model,
+            pd_,
+            cfg,
+            model.model_config(),
+            env,
+            dist_cfg=DistributedConfig(sync_batchnorm=False),
+        )
+        broadcast = list(trainer.model.named_module_buffers)
+        trainer.fit({"train_loader": ListLoader(batches)}, progress=False)
+        rows = np.concatenate([pd_.cond_pert_index] * 4)[:150]  # 3 chunks: both ranks work
+        delta, _ = predict_deltas(model.model, rows, env)
+        result = {
+            "broadcast": broadcast,
+            "graphs": graph_buffer_names(model.model),
+            "state": {k: v.detach().clone() for k, v in model.model.state_dict().items()},
+            "delta": delta,
+            "rows": rows,
+        }
+        with open(Path(out) / f"rank{rank}.pkl", "wb") as f:
+            pickle.dump(result, f)
+    finally:
+        cleanup(env)
+
+
+@pytest.fixture(scope="module")
+def ddp_ranks(tmp_path_factory) -> list[dict]:
+    tmp = tmp_path_factory.mktemp("ddp")
+    mp.spawn(_ddp_worker, args=(2, find_free_port(), str(tmp)), nprocs=2, join=True)
+    return [pickle.loads((tmp / f"rank{r}.pkl").read_bytes()) for r in (0, 1)]
+
+
+@pytest.mark.slow
+def test_ddp_broadcasts_no_graph(ddp_ranks):
+    for result in ddp_ranks:
+        graphs = set(result["graphs"])  # GEARSNet.graph_buffer_names(), or the *edge* buffers
+        assert graphs, "no graph buffers found"
+        assert not set(result["broadcast"]) & (graphs | GRAPHS)
+        assert "bn_emb.running_mean" in result["broadcast"]  # the list is the real one
+
+
+@pytest.mark.slow
+def test_unsynchronised_ranks_evaluate_like_one_process_with_rank0_weights(ddp_ranks, tiny_run):
+    rank0, rank1 = ddp_ranks
+    for k, v in rank0["state"].items():  # batch-norm statistics included
+        assert torch.equal(v, rank1["state"][k]), k
+    assert any("running_var" in k for k in rank0["state"])
+    np.testing.assert_array_equal(rank0["delta"], rank1["delta"])
+    pd_, _ = tiny_run
+    net = build(pd_).model
+    net.load_state_dict(rank0["state"])
+    single, _ = predict_deltas(net, rank0["rows"])
+    np.testing.assert_allclose(rank0["delta"], single, rtol=1e-6, atol=1e-6)
+
+
+# ------------------------------------------------------- rank-0 work beyond the timeout (3)
+@pytest.mark.slow
+def test_slow_rank0_data_and_scoring_outlast_the_collective_timeout(tmp_path):
+    """Rank 0's data step and its scoring each take twice distributed.timeout_s; the other rank
+    waits for the data on the store (distributed.data_wait_s) and has left the group before
+    the scoring, so no collective times out."""
+    args = [f"out_dir={tmp_path / 'run'}", f"data.data_dir={tmp_path / 'data'}", *TINY_RUN]
+    args += ["train.epochs=1", "train.limit_batches=3", "train.plot_conditions=0"]
+    args += ["distributed.timeout_s=6"]
+    run = _launch(
+        tmp_path / "log",
+        sys.executable,
+        str(ROOT / "train_distributed.py"),
+        "--nproc",
+        "2",
+        *args,
+        env=_env(GEARS_TEST_SLOW_RANK0="data:12,scoring:12"),
+    ).wait(400)
+    assert run.ok(), run.why()
+    assert run.seconds > 24  # both delays happened
+    metrics = _metrics(tmp_path / "run")
+    assert metrics["world_size"] == 2 and metrics["test"]["mse_de"] is not None
+
+
+def _stage_threads(builds: list) -> list:
+    """build_in_stages for ranks 0..n-1 (local ranks 0, 1, ...) as threads sharing a real
+    TCPStore; returns each rank's result or exception."""
+    port = find_free_port()
+    stores = [
+        torch.distributed.TCPStore(
+            "127.0.0.1", port, len(builds), r == 0, timedelta(seconds=30), wait_for_workers=False
+        )
+        for r in range(len(builds))
+    ]
+    out: list = [None] * len(builds)
+
+    def one(r: int) -> None:
+        try:
+            out[r] = build_in_stages(builds[r], stores[r], r, r, len(builds), wait_s=20)
+        except Exception as e:
+            out[r] = e
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in range(len(builds))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
+
+
+def test_data_is_built_by_rank_0_first_then_the_others():
+    order = []
+
+    def build(r: int, delay: float):
+        def run():
+            time.sleep(delay)
+            order.append(r)
+            return f"data{r}"
+
+        return run
+
+    # Rank 0 is the slowest, yet the others start only when it is done.
+    assert _stage_threads([build(0, 0.5), build(1, 0.0), build(2, 0.0)]) == [
+        "data0",
+        "data1",
+        "data2",
+    ]
+    assert order[0] == 0
+
+
+def test_failed_rank_0_data_step_stops_the_waiting_ranks_with_its_message():
+    def bad():
+        raise GearsInputError("no .h5ad file at /x.h5ad")
+
+    results = _stage_threads([bad, lambda: "never", lambda: "never"])
+    assert all(isinstance(r, GearsInputError) for r in results), results
+    assert all("no .h5ad file at /x.h5ad" in str(r) for r in results)
+
+
+# ------------------------------------------------------------------- Slurm launching (13)
+def test_master_port_from_the_slurm_job_id(clean_launch_env):  # noqa: F811
+    assert default_master_port() == 29500
+    clean_launch_env.setenv("SLURM_JOB_ID", "123457")
+    assert default_master_port() == 20000 + 123457 % 20000
+    for key, value in {"SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_NTASKS": "2"}.items():
+        clean_launch_env.setenv(key, value)
+    slurm_to_env()
+    assert os.environ["MASTER_PORT"] == str(20000 + 123457 % 20000)
+
+
+@pytest.mark.parametrize("step", [None, "batch", "4294967294"])
+def test_batch_script_is_not_a_worker(clean_launch_env, step):  # noqa: F811
+    """`python train_distributed.py` in a 4-task sbatch script, outside srun: spawns locally."""
+    for key, value in {"SLURM_JOB_ID": "77", "SLURM_NTASKS": "4", "SLURM_PROCID": "0"}.items():
+        clean_launch_env.setenv(key, value)
+    if step is not None:
+        clean_launch_env.setenv("SLURM_STEP_ID", step)
+    assert not launched_externally()
+    slurm_to_env()
+    assert "RANK" not in os.environ and "WORLD_SIZE" not in os.environ
+    assert "SLURM_NTASKS=4" in batch_script_note() and "srun" in batch_script_note()
+    clean_launch_env.setenv("SLURM_STEP_ID", "0")  # the same variables inside `srun`
+    assert launched_externally() and batch_script_note() is None
+
+
+def test_srun_gets_cpus_per_task(tmp_path):
+    """run_multi_node.sh in a batch script passes SLURM_CPUS_PER_TASK to srun (since Slurm 22.05
+    srun does not inherit it) and the job's port. A fake srun/scontrol records the call."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text('#!/bin/sh\necho "port=$MASTER_PORT srun $*" > "$SRUN_LOG"\n')
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho node07\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    log = tmp_path / "srun.txt"
+    env = _env(
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
+        SLURM_JOB_ID="31337",
+        SLURM_JOB_NODELIST="node[07-08]",
+        SLURM_NNODES="2",
+        SLURM_CPUS_PER_TASK="12",
+        SRUN_LOG=str(log),
+        NPROC_PER_NODE="4",
+        PYTHON="true",
+    )
+    result = subprocess.run(
+        ["bash", str(ROOT / "run_multi_node.sh"), "train.epochs=1"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    call = log.read_text()
+    assert "--cpus-per-task=12" in call and "--nodes=2" in call
+    assert call.startswith(f"port={20000 + 31337 % 20000} ")
+    assert call.rstrip().endswith("train.epochs=1")
+
+
+def test_download_part_file_is_per_process(tmp_path):
+    from gears.data.download import _own_part
+
+    dest = tmp_path / "f.bin"
+    (tmp_path / "f.bin.part").write_bytes(b"12345")  # an interrupted earlier download
+    mine = _own_part(dest)
+    assert mine.name == f"f.bin.{socket.gethostname()}.{os.getpid()}.part"
+    assert mine.read_bytes() == b"12345"  # claimed for resuming, by this process only
+    assert _own_part(dest) == mine and not (tmp_path / "f.bin.part").exists()
