@@ -643,3 +643,17 @@ def test_norman19_real_data(shared_data, tmp_path):
     test = p.set2conditions["test"]
     assert test and all(len(condition_genes(c)) == 2 for c in test)
     assert not set(test) & set(p.set2conditions["train"])
+
+
+def test_csr_with_mixed_index_dtypes_processes_like_dense(tmp_path):
+    """Writers may store int32 indices with int64 indptr; scanpy's kernels then refused the
+    matrix ("Output dtype not compatible"). Processing must give the dense result."""
+    adata = tiny_screen()
+    csr = sp.csr_matrix(np.asarray(adata.X, np.float32))
+    csr.indices = csr.indices.astype(np.int32)
+    csr.indptr = csr.indptr.astype(np.int64)
+    mixed = ad.AnnData(X=csr, obs=adata.obs.copy(), var=adata.var.copy())
+    got = tiny_pertdata(tmp_path).new_data_process("mixed", mixed, write=False)
+    want = tiny_pertdata(tmp_path).new_data_process("dense", adata, write=False)
+    np.testing.assert_allclose(got.ctrl_mean, want.ctrl_mean, rtol=1e-6)
+    np.testing.assert_array_equal(got.de_idx, want.de_idx)

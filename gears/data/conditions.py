@@ -1,4 +1,4 @@
-"""Condition spellings: map the names found in the wild to GEARS's canonical `ctrl`, `A+ctrl`, `A+B`."""
+"""Condition spellings: names found in the wild mapped to GEARS's `ctrl`, `A+ctrl`, `A+B`."""
 
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ def canonical_condition(name: str, sep: str = "+", control_names: Iterable[str] 
 def canonicalize_conditions(
     values: Sequence[str] | pd.Series, sep: str = "+", control_names: Iterable[str] = ()
 ) -> np.ndarray:
-    """Vector version of `canonical_condition`: each distinct spelling is parsed once. -> [cells] str."""
+    """Vector `canonical_condition`: each distinct spelling is parsed once. -> [cells] str."""
     series = pd.Series(np.asarray(values, dtype=object)).astype(str)
     codes, uniques = pd.factorize(series)
     mapped = np.array(

@@ -1,4 +1,4 @@
-"""Differentially expressed genes per condition (scanpy t-test vs control) and GEARS's dropout sets."""
+"""Differentially expressed genes per condition (t-test vs control) and GEARS's dropout sets."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ DE_KEYS = (RANK_KEY, TOP_NON_DROPOUT_KEY, TOP_NON_ZERO_KEY, NON_DROPOUT_KEY, NON
 
 
 def condition_means(X, codes: np.ndarray, n_groups: int) -> np.ndarray:
-    """Mean row of X per group via one sparse indicator product. X [cells, genes] -> [groups, genes]."""
+    """Mean row of X per group via one sparse indicator product. X [cells, genes] -> [groups, G]."""
     n = codes.shape[0]
     indicator = sp.csr_matrix((np.ones(n, np.float64), (codes, np.arange(n))), shape=(n_groups, n))
     sums = indicator @ X
@@ -54,7 +54,9 @@ def compute_de(adata: ad.AnnData, n_top: int = 20) -> dict[str, dict[str, np.nda
     groups = sorted(set(conditions) - {CTRL})
     var_names = np.asarray(adata.var_names)
     # A light AnnData sharing X, so scanpy's writes never touch the caller's object.
-    light = ad.AnnData(X=adata.X, obs={"condition": conditions}, var={"_": np.zeros(len(var_names))})
+    light = ad.AnnData(
+        X=adata.X, obs={"condition": conditions}, var={"_": np.zeros(len(var_names))}
+    )
     light.var_names = var_names
     light.obs["condition"] = light.obs["condition"].astype("category")
     with warnings.catch_warnings():  # scanpy's own pandas fragmentation warnings
@@ -81,8 +83,13 @@ def compute_de(adata: ad.AnnData, n_top: int = 20) -> dict[str, dict[str, np.nda
     return de_tables(groups, ranked_idx, means, var_names, n_top)
 
 
-def de_tables(groups: list[str], ranked_idx: np.ndarray, means: np.ndarray,
-              var_names: np.ndarray, n_top: int = 20) -> dict[str, dict[str, np.ndarray]]:
+def de_tables(
+    groups: list[str],
+    ranked_idx: np.ndarray,
+    means: np.ndarray,
+    var_names: np.ndarray,
+    n_top: int = 20,
+) -> dict[str, dict[str, np.ndarray]]:
     """The DE_KEYS entries from a ranking and the condition means.
 
     groups: the perturbed conditions, sorted; ranked_idx [groups, genes] gene indices, most DE
@@ -107,8 +114,9 @@ def de_tables(groups: list[str], ranked_idx: np.ndarray, means: np.ndarray,
     }
 
 
-def welch_scores(sums: np.ndarray, sumsq: np.ndarray, counts: np.ndarray,
-                 reference: int = 0) -> np.ndarray:
+def welch_scores(
+    sums: np.ndarray, sumsq: np.ndarray, counts: np.ndarray, reference: int = 0
+) -> np.ndarray:
     """Welch t statistics of every group against `reference`, from per-group sufficient statistics.
 
     sums, sumsq [groups, genes] float64 (sums of x and of float32 x*x), counts [groups] ->
@@ -143,9 +151,15 @@ def rank_by_abs_score(scores: np.ndarray) -> np.ndarray:
     return partition[np.argsort(key[partition])[::-1]]
 
 
-def de_from_stats(conditions: list[str], sums: np.ndarray, sumsq: np.ndarray,
-                  counts: np.ndarray, var_names: np.ndarray, n_top: int = 20,
-                  n_ranked: int | None = None) -> dict[str, dict[str, np.ndarray]]:
+def de_from_stats(
+    conditions: list[str],
+    sums: np.ndarray,
+    sumsq: np.ndarray,
+    counts: np.ndarray,
+    var_names: np.ndarray,
+    n_top: int = 20,
+    n_ranked: int | None = None,
+) -> dict[str, dict[str, np.ndarray]]:
     """`compute_de` from per-condition sums and sums of squares (a streamed pass over the cells).
 
     conditions [C] with `ctrl` first, then the perturbed conditions sorted; sums, sumsq

@@ -420,7 +420,10 @@ def _abs_correlation(X, rows: np.ndarray | None = None) -> np.ndarray:
 
 
 def coexpression_graph(
-    X, genes: Sequence[str], top_k: int = 20, threshold: float = 0.4,
+    X,
+    genes: Sequence[str],
+    top_k: int = 20,
+    threshold: float = 0.4,
     rows: np.ndarray | None = None,
 ) -> GeneGraph:
     """GEARS's co-expression graph: edge weight = |Pearson r| between genes over cells.

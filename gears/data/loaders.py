@@ -1,4 +1,4 @@
-"""Batches gathered from tensors: expression kept once, examples as (control row, cell row, condition)."""
+"""Batches gathered from tensors: expression kept once, examples as (control, cell, condition)."""
 
 from __future__ import annotations
 
@@ -112,8 +112,12 @@ class Batch:
     example: torch.Tensor  # [B] long, example ids within the split set
 
     def to(self, device, non_blocking: bool = False) -> Batch:
-        return Batch(**{f.name: getattr(self, f.name).to(device, non_blocking=non_blocking)
-                        for f in fields(self)})
+        return Batch(
+            **{
+                f.name: getattr(self, f.name).to(device, non_blocking=non_blocking)
+                for f in fields(self)
+            }
+        )
 
     def pin_memory(self) -> Batch:
         return Batch(**{f.name: getattr(self, f.name).pin_memory() for f in fields(self)})
@@ -151,9 +155,17 @@ class ExampleSet(Dataset):
     drawn by `pairing_hash(seed, epoch, example id)`.
     """
 
-    def __init__(self, expr: ExpressionMatrix, rows: np.ndarray, cond: np.ndarray,
-                 ctrl_rows: np.ndarray, ctrl_cond: int, cond_pert_index: np.ndarray,
-                 de_idx: np.ndarray, seed: int):
+    def __init__(
+        self,
+        expr: ExpressionMatrix,
+        rows: np.ndarray,
+        cond: np.ndarray,
+        ctrl_rows: np.ndarray,
+        ctrl_cond: int,
+        cond_pert_index: np.ndarray,
+        de_idx: np.ndarray,
+        seed: int,
+    ):
         self.expr = expr
         self.rows = np.asarray(rows, dtype=np.int64)
         self.cond = np.asarray(cond, dtype=np.int64)
@@ -192,7 +204,7 @@ class ExampleSet(Dataset):
         uniq_t = torch.from_numpy(uniq)
         return Batch(
             x=xy[: len(example)],
-            y=xy[len(example):],
+            y=xy[len(example) :],
             pert_index=self.cond_pert_index[cond],
             cond=cond,
             de_idx=self.de_idx[cond],
@@ -239,9 +251,11 @@ class BlockShuffleSampler(Sampler):
         """The single-process order of this epoch. -> [n] example ids."""
         rng = np.random.default_rng([self.seed, self.epoch, 1])
         starts = rng.permutation(np.arange(0, self.n, self.block_size))
-        return np.concatenate(
-            [s + rng.permutation(min(self.block_size, self.n - s)) for s in starts]
-        ) if self.n else np.zeros(0, dtype=np.int64)
+        return (
+            np.concatenate([s + rng.permutation(min(self.block_size, self.n - s)) for s in starts])
+            if self.n
+            else np.zeros(0, dtype=np.int64)
+        )
 
     def __iter__(self) -> Iterator[int]:
         usable = self.n - self.n % self.world_size
@@ -260,8 +274,15 @@ class GroupedBatchSampler(Sampler):
     single-process step-k batch. Incomplete final steps are dropped.
     """
 
-    def __init__(self, cond: np.ndarray, cells_per_group: int, groups_per_batch: int,
-                 seed: int, world_size: int = 1, rank: int = 0):
+    def __init__(
+        self,
+        cond: np.ndarray,
+        cells_per_group: int,
+        groups_per_batch: int,
+        seed: int,
+        world_size: int = 1,
+        rank: int = 0,
+    ):
         self.cond = np.asarray(cond)
         self.m, self.k = cells_per_group, groups_per_batch
         self.seed, self.world_size, self.rank = seed, world_size, rank
@@ -285,7 +306,9 @@ class GroupedBatchSampler(Sampler):
         groups = self._groups()
         per_step = self.k * self.world_size
         for step in range(len(groups) // per_step):
-            mine = groups[step * per_step + self.rank * self.k: step * per_step + (self.rank + 1) * self.k]
+            mine = groups[
+                step * per_step + self.rank * self.k : step * per_step + (self.rank + 1) * self.k
+            ]
             yield np.concatenate(mine).tolist()
 
     def __len__(self) -> int:
@@ -297,8 +320,9 @@ class GroupedBatchSampler(Sampler):
 class EpochLoader:
     """A DataLoader over whole batches, with `set_epoch` reaching both sampler and pairing."""
 
-    def __init__(self, dataset: ExampleSet, batch_sampler, num_workers: int = 0,
-                 pin_memory: bool = False):
+    def __init__(
+        self, dataset: ExampleSet, batch_sampler, num_workers: int = 0, pin_memory: bool = False
+    ):
         self.dataset = dataset
         self.batch_sampler = batch_sampler
         self.epoch = 0
@@ -309,8 +333,14 @@ class EpochLoader:
             # the epoch it was forked with, so each request carries the current epoch.
             sampler = _EpochTaggedSampler(batch_sampler, self)
             extra = {"persistent_workers": True, "prefetch_factor": 4}
-        self.loader = DataLoader(dataset, sampler=sampler, batch_size=None,
-                                 num_workers=num_workers, pin_memory=pin_memory, **extra)
+        self.loader = DataLoader(
+            dataset,
+            sampler=sampler,
+            batch_size=None,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+            **extra,
+        )
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -327,10 +357,20 @@ class EpochLoader:
         return len(self.batch_sampler)
 
 
-def train_loader(dataset: ExampleSet, batch_size: int, *, seed: int, world_size: int = 1,
-                 rank: int = 0, batching: str = "random", cells_per_group: int = 4,
-                 drop_last: bool = True, num_workers: int = 0, pin_memory: bool = False,
-                 block_size: int = 1024) -> EpochLoader:
+def train_loader(
+    dataset: ExampleSet,
+    batch_size: int,
+    *,
+    seed: int,
+    world_size: int = 1,
+    rank: int = 0,
+    batching: str = "random",
+    cells_per_group: int = 4,
+    drop_last: bool = True,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+    block_size: int = 1024,
+) -> EpochLoader:
     """Shuffled training batches of `batch_size` per rank: `random` (DistributedSampler),
     `grouped` (perturbations x cells) or `block` (block-shuffled reads, BlockShuffleSampler)."""
     if batching == "grouped":
@@ -341,23 +381,36 @@ def train_loader(dataset: ExampleSet, batch_size: int, *, seed: int, world_size:
                 f"train.batching=grouped needs train.batch_size ({batch_size}) to be a multiple "
                 f"of train.cells_per_group ({cells_per_group})"
             )
-        sampler = GroupedBatchSampler(dataset.cond, cells_per_group, batch_size // cells_per_group,
-                                      seed, world_size, rank)
+        sampler = GroupedBatchSampler(
+            dataset.cond, cells_per_group, batch_size // cells_per_group, seed, world_size, rank
+        )
     elif batching == "block":
-        sampler = BatchSampler(BlockShuffleSampler(len(dataset), block_size, seed, world_size,
-                                                   rank), batch_size, drop_last=drop_last)
+        sampler = BatchSampler(
+            BlockShuffleSampler(len(dataset), block_size, seed, world_size, rank),
+            batch_size,
+            drop_last=drop_last,
+        )
     else:
         # drop_last: no padding duplicates, so N ranks take exactly the steps of one process
         # with batch N * b, and their step-k batches together are its step-k batch.
-        inner = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
-                                   seed=seed, drop_last=True)
+        inner = DistributedSampler(
+            dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True
+        )
         sampler = BatchSampler(inner, batch_size, drop_last=drop_last)
     return EpochLoader(dataset, sampler, num_workers, pin_memory)
 
 
-def eval_loader(dataset: ExampleSet, batch_size: int, *, world_size: int = 1, rank: int = 0,
-                num_workers: int = 0, pin_memory: bool = False) -> EpochLoader:
+def eval_loader(
+    dataset: ExampleSet,
+    batch_size: int,
+    *,
+    world_size: int = 1,
+    rank: int = 0,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+) -> EpochLoader:
     """In-order evaluation batches over this rank's contiguous shard (no padding duplicates)."""
-    sampler = BatchSampler(ShardSampler(len(dataset), world_size, rank), batch_size,
-                           drop_last=False)
+    sampler = BatchSampler(
+        ShardSampler(len(dataset), world_size, rank), batch_size, drop_last=False
+    )
     return EpochLoader(dataset, sampler, num_workers, pin_memory)

@@ -1,4 +1,4 @@
-"""PertData: validate and process a Perturb-seq AnnData, split it, build gene graphs, serve tensors."""
+"""PertData: validate and process a Perturb-seq AnnData, split it, build graphs, serve tensors."""
 
 from __future__ import annotations
 
@@ -60,7 +60,8 @@ def validate_adata(adata: ad.AnnData, condition_key: str = "condition") -> None:
     missing = adata.obs[condition_key].isna()
     if missing.any():
         raise GearsInputError(
-            f"{int(missing.sum())} cells have a missing (NaN/null) value in obs[{condition_key!r}]; "
+            f"{int(missing.sum())} cells have a missing (NaN/null) value in "
+            f"obs[{condition_key!r}]; "
             "label them (e.g. 'ctrl') or drop them"
         )
     values = _finite_values(adata.X)
@@ -150,11 +151,20 @@ class PertData:
       reads the GEARS_MIRROR_URL environment variable, else Harvard Dataverse.
     """
 
-    def __init__(self, data_dir: str | Path = "data", gene2go: str | Path | None = None,
-                 gene_aliases: str | Path | None = None, keep_unmapped_perts: bool = False,
-                 seed: int = 1, verbose: bool = True, store: str = "auto",
-                 store_dir: str | Path | None = None, chunk_cells: int = 20000,
-                 unmapped_perts: str | None = None, mirror_url: str | None = None):
+    def __init__(
+        self,
+        data_dir: str | Path = "data",
+        gene2go: str | Path | None = None,
+        gene_aliases: str | Path | None = None,
+        keep_unmapped_perts: bool = False,
+        seed: int = 1,
+        verbose: bool = True,
+        store: str = "auto",
+        store_dir: str | Path | None = None,
+        chunk_cells: int = 20000,
+        unmapped_perts: str | None = None,
+        mirror_url: str | None = None,
+    ):
         self.data_dir = Path(data_dir)
         self.gene2go_user = gene2go  # as given; the synthetic screen brings its own otherwise
         self.gene2go_path = gene2go
@@ -191,10 +201,16 @@ class PertData:
             print(msg, flush=True)
 
     # ----------------------------------------------------------------------------------- loading
-    def load(self, data_name: str | None = None, data_path: str | Path | None = None,
-             synthetic_params: dict | None = None, subset: dict | None = None,
-             condition_key: str | None = None, control_names: tuple[str, ...] = (),
-             normalize: str = "none") -> PertData:
+    def load(
+        self,
+        data_name: str | None = None,
+        data_path: str | Path | None = None,
+        synthetic_params: dict | None = None,
+        subset: dict | None = None,
+        condition_key: str | None = None,
+        control_names: tuple[str, ...] = (),
+        normalize: str = "none",
+    ) -> PertData:
         """Load a named dataset (`synthetic`, `norman`, `adamson`, `dixit`,
         `replogle_k562_essential`, `replogle_rpe1_essential`) or a processed/raw `.h5ad` path
         (a file, or a folder holding perturb_processed.h5ad).
@@ -224,8 +240,13 @@ class PertData:
             if data_name not in download.DATASETS:
                 p = Path(data_name)
                 if p.suffix == ".h5ad" or p.is_dir():
-                    return self.load(data_path=p, subset=subset, condition_key=condition_key,
-                                     control_names=control_names, normalize=normalize)
+                    return self.load(
+                        data_path=p,
+                        subset=subset,
+                        condition_key=condition_key,
+                        control_names=control_names,
+                        normalize=normalize,
+                    )
                 raise GearsInputError(
                     f"unknown dataset {data_name!r}; use 'synthetic', one of "
                     f"{sorted(download.DATASETS)}, or a path to an .h5ad file"
@@ -248,31 +269,53 @@ class PertData:
                     raise GearsInputError(
                         f"data.store=mmap processes {path.name} out of core, which needs "
                         "log-normalised X; normalize the file first (sc.pp.normalize_total, "
-                        "sc.pp.log1p) or use data.store=memory with data.normalize=log1p")
+                        "sc.pp.log1p) or use data.store=memory with data.normalize=log1p"
+                    )
             else:
-                return self.process_backed(name, path, subset=subset,
-                                           condition_key=condition_key,
-                                           control_names=tuple(control_names))
+                return self.process_backed(
+                    name,
+                    path,
+                    subset=subset,
+                    condition_key=condition_key,
+                    control_names=tuple(control_names),
+                )
         adata = ad.read_h5ad(path)
         for column, wanted in (subset or {}).items():
             if column not in adata.obs:
-                raise GearsInputError(f"subset: adata.obs has no column {column!r} "
-                                      f"(columns: {list(adata.obs.columns)})")
+                raise GearsInputError(
+                    f"subset: adata.obs has no column {column!r} "
+                    f"(columns: {list(adata.obs.columns)})"
+                )
             wanted = wanted if isinstance(wanted, (list, tuple)) else [wanted]
             keep = adata.obs[column].astype(str).isin([str(w) for w in wanted]).values
             if not keep.any():
                 raise GearsInputError(f"subset: no cell has obs[{column!r}] in {wanted}")
             adata = adata[keep].copy()
         # Reuse DE results stored in the file (ours, or GEARS's keyed by condition_name).
-        return self.new_data_process(name, adata, condition_key=condition_key,
-                                     control_names=tuple(control_names), normalize=normalize,
-                                     skip_calc_de=True, write=False, copy_x=False)
+        return self.new_data_process(
+            name,
+            adata,
+            condition_key=condition_key,
+            control_names=tuple(control_names),
+            normalize=normalize,
+            skip_calc_de=True,
+            write=False,
+            copy_x=False,
+        )
 
-    def new_data_process(self, dataset_name: str, adata: ad.AnnData, *,
-                         condition_key: str | None = None, sep: str = "+",
-                         control_names: tuple[str, ...] = (), skip_calc_de: bool = False,
-                         write: bool = True, normalize: str = "none",
-                         copy_x: bool = True) -> PertData:
+    def new_data_process(
+        self,
+        dataset_name: str,
+        adata: ad.AnnData,
+        *,
+        condition_key: str | None = None,
+        sep: str = "+",
+        control_names: tuple[str, ...] = (),
+        skip_calc_de: bool = False,
+        write: bool = True,
+        normalize: str = "none",
+        copy_x: bool = True,
+    ) -> PertData:
         """Validate, canonicalise condition names, compute DE genes, write the processed h5ad.
 
         Accepts `ctrl`/`control`/`non-targeting`, `A`, `A+ctrl`, `ctrl+A`, `A+B` (separator `sep`).
@@ -288,15 +331,18 @@ class PertData:
         chosen = detect_condition_key(adata.obs.columns, condition_key)
         if condition_key is None:
             others = [c for c in CONDITION_KEY_CANDIDATES if c in adata.obs and c != chosen]
-            self._log(f"perturbation column: obs[{chosen!r}], found by itself"
-                      f"{f' (also present: {others})' if others else ''}; set "
-                      "data.condition_key to choose another")
+            self._log(
+                f"perturbation column: obs[{chosen!r}], found by itself"
+                f"{f' (also present: {others})' if others else ''}; set "
+                "data.condition_key to choose another"
+            )
         condition_key = chosen
         validate_adata(adata, condition_key)
         names = gene_names_of(adata)
         obs = pd.DataFrame(index=adata.obs_names.astype(str))
-        obs["condition"] = canonicalize_conditions(adata.obs[condition_key].values, sep,
-                                                   control_names)
+        obs["condition"] = canonicalize_conditions(
+            adata.obs[condition_key].values, sep, control_names
+        )
         raw_names = adata.obs[condition_key].astype(str).values
         self.condition_key = condition_key
         self.condition_spelling = (
@@ -321,8 +367,10 @@ class PertData:
         few = sorted(c for c in counts.index[counts < 2] if c != CTRL)
         if few:
             self.report["dropped_conditions_too_few_cells"] = few
-            self._log(f"dropped {len(few)} condition(s) with a single cell (no DE test "
-                      f"possible): {few[:10]}")
+            self._log(
+                f"dropped {len(few)} condition(s) with a single cell (no DE test "
+                f"possible): {few[:10]}"
+            )
         drop = set(self.report["dropped_conditions"]) | set(few)
         self.report["dropped_conditions"] = sorted(drop)
         self.report["dropped_condition_cells"] = {c: int(counts[c]) for c in sorted(drop)}
@@ -334,18 +382,26 @@ class PertData:
             )
         X = adata.X
         X = sp.csr_matrix(X, dtype=np.float32) if sp.issparse(X) else np.asarray(X, np.float32)
+        if sp.issparse(X) and X.indices.dtype != X.indptr.dtype:
+            # Files may carry int32 indices with int64 indptr; scipy's kernels need one dtype.
+            X.indices, X.indptr = X.indices.astype(np.int64), X.indptr.astype(np.int64)
         if not keep.all():
             X, obs = X[keep], obs.iloc[keep]
         # Unfiltered, X may share memory with the caller's adata.X: normalise a copy then.
         X = self._normalize(X, normalize, copy=copy_x and bool(keep.all()))
         if self.normalize_target_sum is not None:
-            self.report["normalize"] = {"method": normalize,
-                                        "target_sum": self.normalize_target_sum}
+            self.report["normalize"] = {
+                "method": normalize,
+                "target_sum": self.normalize_target_sum,
+            }
         if X.max() > 50:
-            self._log(f"warning: max expression {X.max():.1f} looks like raw counts; GEARS "
-                      "expects log-normalised data (data.normalize=log1p normalises counts)")
-        processed = ad.AnnData(X=X, obs=obs, var=pd.DataFrame({"gene_name": names.values},
-                                                                index=names.values))
+            self._log(
+                f"warning: max expression {X.max():.1f} looks like raw counts; GEARS "
+                "expects log-normalised data (data.normalize=log1p normalises counts)"
+            )
+        processed = ad.AnnData(
+            X=X, obs=obs, var=pd.DataFrame({"gene_name": names.values}, index=names.values)
+        )
         uns_old = dict(adata.uns) if skip_calc_de else {}
         if skip_calc_de and all(k in uns_old for k in de_mod.DE_KEYS):
             processed.uns.update(self._translate_de_keys(uns_old, adata, condition_key))
@@ -358,8 +414,10 @@ class PertData:
 
             atomic_write(out, processed.write_h5ad)  # temp + fsync + rename: never torn
             self._log(f"wrote {out}")
-        self._log(f"processed {dataset_name}: {processed.n_obs} cells x {processed.n_vars} genes, "
-                  f"{len(self.conditions)} conditions in {time.perf_counter() - t0:.1f}s")
+        self._log(
+            f"processed {dataset_name}: {processed.n_obs} cells x {processed.n_vars} genes, "
+            f"{len(self.conditions)} conditions in {time.perf_counter() - t0:.1f}s"
+        )
         return self
 
     def _normalize(self, X, method: str, copy: bool):
@@ -383,8 +441,10 @@ class PertData:
         sc.pp.normalize_total(work, target_sum=target)
         sc.pp.log1p(work)
         self.normalize_target_sum = target
-        self._log(f"normalised raw counts: each cell scaled to {target:.0f} counts (the median), "
-                  "then log1p")
+        self._log(
+            f"normalised raw counts: each cell scaled to {target:.0f} counts (the median), "
+            "then log1p"
+        )
         return work.X
 
     def _translate_de_keys(self, uns: dict, adata: ad.AnnData, condition_key: str) -> dict:
@@ -429,8 +489,7 @@ class PertData:
                 self.cond_pert_index[c, slot] = self.node_map_pert[gene]
 
         # DE tables: [C, 200] DE-ranked genes, [C, 20] non-dropout DE, [C, G] loss mask.
-        ranked, non_dropout, non_zero_mask = _de_arrays(adata.uns, self.conditions,
-                                                        self.gene_names)
+        ranked, non_dropout, non_zero_mask = _de_arrays(adata.uns, self.conditions, self.gene_names)
         self.de_ranked_idx = ranked
         self.de_idx = ranked[:, :N_DE].copy()
         self.non_dropout_de_idx = non_dropout
@@ -461,25 +520,33 @@ class PertData:
                 "'drop' (remove their conditions, as the original GEARS) or 'keep' (keep them "
                 "without GO edges)"
             )
-        dropped = [] if self.unmapped_perts == "keep" else [
-            c for c in conditions if any(g in missing for g in condition_genes(c))
-        ]
+        dropped = (
+            []
+            if self.unmapped_perts == "keep"
+            else [c for c in conditions if any(g in missing for g in condition_genes(c))]
+        )
         vocab = [g for g in candidates if g not in missing]
         if self.unmapped_perts == "keep":
             vocab = sorted(set(vocab) | set(perturbed))
         self.pert_names = np.array(vocab)
         self.node_map_pert = {g: i for i, g in enumerate(vocab)}
         self.gene2go = {g: set(gene2go.get(renames.get(g, g), ())) for g in vocab}
-        self.report = {"renamed_genes": {g: renames[g] for g in perturbed if g in renames},
-                       "dropped_conditions": dropped,
-                       "perturbed_genes_without_go": sorted(set(perturbed) & missing)}
+        self.report = {
+            "renamed_genes": {g: renames[g] for g in perturbed if g in renames},
+            "dropped_conditions": dropped,
+            "perturbed_genes_without_go": sorted(set(perturbed) & missing),
+        }
         if self.report["renamed_genes"]:
-            self._log(f"renamed {len(self.report['renamed_genes'])} perturbed gene(s) to match the "
-                      f"GO source: {self.report['renamed_genes']}")
+            self._log(
+                f"renamed {len(self.report['renamed_genes'])} perturbed gene(s) to match the "
+                f"GO source: {self.report['renamed_genes']}"
+            )
         if dropped:
-            self._log(f"dropped {len(dropped)} condition(s) whose genes have no GO annotation "
-                      f"(GEARS cannot place them in the GO graph): {dropped[:10]}"
-                      f"{' ...' if len(dropped) > 10 else ''}")
+            self._log(
+                f"dropped {len(dropped)} condition(s) whose genes have no GO annotation "
+                f"(GEARS cannot place them in the GO graph): {dropped[:10]}"
+                f"{' ...' if len(dropped) > 10 else ''}"
+            )
 
     def _gene2go_source(self) -> Path:
         if self.gene2go_path is not None:
@@ -489,23 +556,37 @@ class PertData:
         return download.fetch_gene2go(self.data_dir, base_url=download.base_url(self.mirror_url))
 
     # ---------------------------------------------------------------------------------- splits
-    def prepare_split(self, split: str = "simulation", seed: int = 1,
-                      train_gene_set_size: float = 0.75, combo_seen2_train_frac: float = 0.75,
-                      combo_single_split_test_set_fraction: float = 0.1,
-                      test_perts: list[str] | None = None, only_test_set_perts: bool = False,
-                      test_pert_genes: list[str] | None = None,
-                      split_dict_path: str | Path | None = None, val_size: float = 0.1) -> PertData:
+    def prepare_split(
+        self,
+        split: str = "simulation",
+        seed: int = 1,
+        train_gene_set_size: float = 0.75,
+        combo_seen2_train_frac: float = 0.75,
+        combo_single_split_test_set_fraction: float = 0.1,
+        test_perts: list[str] | None = None,
+        only_test_set_perts: bool = False,
+        test_pert_genes: list[str] | None = None,
+        split_dict_path: str | Path | None = None,
+        val_size: float = 0.1,
+    ) -> PertData:
         """Make one of the GEARS split types; cached under data_dir keyed by every parameter."""
         from gears.data import splits
 
         if self.adata is None:
-            raise GearsInputError("load data before prepare_split (PertData.load / new_data_process)")
-        params = dict(split_type=split, seed=seed, train_gene_set_size=train_gene_set_size,
-                      combo_seen2_train_frac=combo_seen2_train_frac,
-                      test_size=combo_single_split_test_set_fraction, val_size=val_size,
-                      test_perts=sorted(test_perts) if test_perts else None,
-                      test_pert_genes=sorted(test_pert_genes) if test_pert_genes else None,
-                      only_test_set_perts=only_test_set_perts)
+            raise GearsInputError(
+                "load data before prepare_split (PertData.load / new_data_process)"
+            )
+        params = dict(
+            split_type=split,
+            seed=seed,
+            train_gene_set_size=train_gene_set_size,
+            combo_seen2_train_frac=combo_seen2_train_frac,
+            test_size=combo_single_split_test_set_fraction,
+            val_size=val_size,
+            test_perts=sorted(test_perts) if test_perts else None,
+            test_pert_genes=sorted(test_pert_genes) if test_pert_genes else None,
+            only_test_set_perts=only_test_set_perts,
+        )
         split_dict = None
         if split == "custom":
             if split_dict_path is None:
@@ -546,21 +627,37 @@ class PertData:
 
     def example_set(self, set_name: str, seed: int | None = None) -> ExampleSet:
         rows, cond = self.set_rows(set_name)
-        return ExampleSet(self.expr, rows, cond, self.ctrl_rows, self.ctrl_id,
-                          self.cond_pert_index, self.de_idx,
-                          seed=self.seed if seed is None else seed)
+        return ExampleSet(
+            self.expr,
+            rows,
+            cond,
+            self.ctrl_rows,
+            self.ctrl_id,
+            self.cond_pert_index,
+            self.de_idx,
+            seed=self.seed if seed is None else seed,
+        )
 
     # --------------------------------------------------------------------------------- loaders
-    def get_dataloader(self, batch_size: int, test_batch_size: int | None = None,
-                       **kwargs) -> dict[str, EpochLoader]:
+    def get_dataloader(
+        self, batch_size: int, test_batch_size: int | None = None, **kwargs
+    ) -> dict[str, EpochLoader]:
         """train/val/test loaders (GEARS names: train_loader, val_loader, test_loader)."""
         return self.get_dataloader_distributed(batch_size, test_batch_size, 1, 0, **kwargs)
 
-    def get_dataloader_distributed(self, batch_size: int, test_batch_size: int | None = None,
-                                   world_size: int = 1, rank: int = 0, num_workers: int = 0,
-                                   batching: str = "random", cells_per_group: int = 4,
-                                   pin_memory: bool = False, block_size: int = 1024,
-                                   device=None) -> dict[str, EpochLoader]:
+    def get_dataloader_distributed(
+        self,
+        batch_size: int,
+        test_batch_size: int | None = None,
+        world_size: int = 1,
+        rank: int = 0,
+        num_workers: int = 0,
+        batching: str = "random",
+        cells_per_group: int = 4,
+        pin_memory: bool = False,
+        block_size: int = 1024,
+        device=None,
+    ) -> dict[str, EpochLoader]:
         """Training shards via a seeded DistributedSampler; evaluation sharded without padding.
 
         device: a CUDA device keeps a dense matrix that fits (ExpressionMatrix.to_device) on the
@@ -578,13 +675,26 @@ class PertData:
             ds = self.example_set(name)
             if name == "train":
                 loaders["train_loader"] = train_loader(
-                    ds, batch_size, seed=self.seed, world_size=world_size, rank=rank,
-                    batching=batching, cells_per_group=cells_per_group,
-                    num_workers=num_workers, pin_memory=pin_memory, block_size=block_size)
+                    ds,
+                    batch_size,
+                    seed=self.seed,
+                    world_size=world_size,
+                    rank=rank,
+                    batching=batching,
+                    cells_per_group=cells_per_group,
+                    num_workers=num_workers,
+                    pin_memory=pin_memory,
+                    block_size=block_size,
+                )
             else:
                 loaders[f"{name}_loader"] = eval_loader(
-                    ds, test_batch_size, world_size=world_size, rank=rank,
-                    num_workers=num_workers, pin_memory=pin_memory)
+                    ds,
+                    test_batch_size,
+                    world_size=world_size,
+                    rank=rank,
+                    num_workers=num_workers,
+                    pin_memory=pin_memory,
+                )
         self.dataloader = loaders
         return loaders
 
@@ -595,8 +705,9 @@ class PertData:
 
         key = ("go", top_k, threshold)
         if key not in self._graphs:
-            self._graphs[key] = graphs.go_graph(list(self.pert_names), self.gene2go, top_k,
-                                                threshold)
+            self._graphs[key] = graphs.go_graph(
+                list(self.pert_names), self.gene2go, top_k, threshold
+            )
         return self._graphs[key]
 
     def coexpress_graph(self, top_k: int = 20, threshold: float = 0.4):
@@ -609,8 +720,10 @@ class PertData:
             rows = np.union1d(rows, self.ctrl_rows)
             self._graphs[key] = self._stored_graph(
                 ("coexpress", top_k, threshold, rows),
-                lambda: graphs.coexpression_graph(self.expr.numpy(), list(self.gene_names),
-                                                  top_k, threshold, rows=rows))
+                lambda: graphs.coexpression_graph(
+                    self.expr.numpy(), list(self.gene_names), top_k, threshold, rows=rows
+                ),
+            )
         return self._graphs[key]
 
     def _stored_graph(self, key: tuple, build):
@@ -626,12 +739,18 @@ class PertData:
         name = f"graph_{key[0]}_{digest.hexdigest()[:16]}"
         cached = store_mod.load_graph(self.store.path, name)
         if cached is not None:
-            return graphs.GeneGraph(list(self.gene_names), torch_from(cached["edge_index"]),
-                                    torch_from(cached["edge_weight"]))
+            return graphs.GeneGraph(
+                list(self.gene_names),
+                torch_from(cached["edge_index"]),
+                torch_from(cached["edge_weight"]),
+            )
         graph = build()
         try:
-            store_mod.save_graph(self.store.path, name, {
-                "edge_index": graph.edge_index.numpy(), "edge_weight": graph.edge_weight.numpy()})
+            store_mod.save_graph(
+                self.store.path,
+                name,
+                {"edge_index": graph.edge_index.numpy(), "edge_weight": graph.edge_weight.numpy()},
+            )
         except OSError:
             pass  # a read-only store only costs recomputation
         return graph
@@ -640,8 +759,9 @@ class PertData:
     def condition_means(self, conditions: list[str] | None = None) -> np.ndarray:
         """Observed mean profile per condition. -> [len(conditions), genes] float64."""
         if self._cond_means is None:
-            self._cond_means = de_mod.condition_means(self.expr.numpy(), self.cell_condition,
-                                                      len(self.conditions))
+            self._cond_means = de_mod.condition_means(
+                self.expr.numpy(), self.cell_condition, len(self.conditions)
+            )
         means = np.asarray(self._cond_means, dtype=np.float64)
         if conditions is None:
             return means
@@ -659,8 +779,9 @@ class PertData:
 
         try:
             with h5py.File(path, "r") as f:
-                shape = tuple(f["X"].attrs["shape"]) if isinstance(f["X"], h5py.Group) \
-                    else f["X"].shape
+                shape = (
+                    tuple(f["X"].attrs["shape"]) if isinstance(f["X"], h5py.Group) else f["X"].shape
+                )
         except (OSError, KeyError):
             return False  # not an h5ad we can inspect: the in-memory reader reports the problem
         return int(np.prod(shape)) * 4 > AUTO_STORE_BYTES
@@ -670,8 +791,9 @@ class PertData:
             return Path(self.store_dir)
         return self.data_dir / dataset_name / "store"
 
-    def _store_params(self, condition_key: str, sep: str, control_names: tuple[str, ...],
-                      subset: dict | None) -> dict:
+    def _store_params(
+        self, condition_key: str, sep: str, control_names: tuple[str, ...], subset: dict | None
+    ) -> dict:
         """Every parameter the processed result depends on (the store key is a hash of these)."""
         from gears.data.store import DENSE_STORE_LIMIT_BYTES, input_fingerprint
 
@@ -679,19 +801,31 @@ class PertData:
             return input_fingerprint(path) if path is not None else None
 
         return {
-            "condition_key": condition_key, "sep": sep, "control_names": sorted(control_names),
-            "subset": {k: sorted(map(str, v if isinstance(v, (list, tuple)) else [v]))
-                       for k, v in sorted((subset or {}).items())},
+            "condition_key": condition_key,
+            "sep": sep,
+            "control_names": sorted(control_names),
+            "subset": {
+                k: sorted(map(str, v if isinstance(v, (list, tuple)) else [v]))
+                for k, v in sorted((subset or {}).items())
+            },
             "gene2go": fingerprint(self._gene2go_source()),
             "gene_aliases": fingerprint(self.gene_aliases_path),
             "keep_unmapped_perts": self.keep_unmapped_perts,
-            "n_de": N_DE, "n_de_ranked": N_DE_RANKED, "dense_limit": DENSE_STORE_LIMIT_BYTES,
+            "n_de": N_DE,
+            "n_de_ranked": N_DE_RANKED,
+            "dense_limit": DENSE_STORE_LIMIT_BYTES,
         }
 
-    def process_backed(self, dataset_name: str, path: str | Path, *,
-                       condition_key: str | None = None, sep: str = "+",
-                       control_names: tuple[str, ...] = (), subset: dict | None = None
-                       ) -> PertData:
+    def process_backed(
+        self,
+        dataset_name: str,
+        path: str | Path,
+        *,
+        condition_key: str | None = None,
+        sep: str = "+",
+        control_names: tuple[str, ...] = (),
+        subset: dict | None = None,
+    ) -> PertData:
         """Process an .h5ad out of core into the shared store (or reuse it), then serve from it.
 
         The file is opened in anndata's backed mode and read in `chunk_cells` row chunks: never
@@ -709,20 +843,34 @@ class PertData:
         try:
             chosen = detect_condition_key(backed.obs.columns, condition_key)
             if condition_key is None:
-                self._log(f"perturbation column: obs[{chosen!r}], found by itself; set "
-                          "data.condition_key to choose another")
+                self._log(
+                    f"perturbation column: obs[{chosen!r}], found by itself; set "
+                    "data.condition_key to choose another"
+                )
             key = store_mod.store_key(
                 store_mod.input_fingerprint(path),
-                self._store_params(chosen, sep, control_names, subset))
+                self._store_params(chosen, sep, control_names, subset),
+            )
             root = self._store_root(dataset_name)
             opened = store_mod.open_store(root, key)
             if opened is None:
-                self._build_store(dataset_name, path, backed, root, key, condition_key=chosen,
-                                  sep=sep, control_names=control_names, subset=subset)
+                self._build_store(
+                    dataset_name,
+                    path,
+                    backed,
+                    root,
+                    key,
+                    condition_key=chosen,
+                    sep=sep,
+                    control_names=control_names,
+                    subset=subset,
+                )
                 opened = store_mod.open_store(root, key)
                 if opened is None:
-                    raise GearsInputError(f"the processed store {root / key} was not written; "
-                                          "check that data.store_dir is writable")
+                    raise GearsInputError(
+                        f"the processed store {root / key} was not written; "
+                        "check that data.store_dir is writable"
+                    )
             else:
                 self._log(f"reusing the processed store {opened.path}")
             raw = backed.obs[chosen].astype(str)
@@ -732,14 +880,26 @@ class PertData:
         finally:
             backed.file.close()
         self._setup_from_store(dataset_name, opened)
-        self._log(f"{dataset_name}: {self.adata.n_obs} cells x {self.n_genes} genes, "
-                  f"{len(self.conditions)} conditions from the {opened.meta['layout']} store in "
-                  f"{time.perf_counter() - t0:.1f}s")
+        self._log(
+            f"{dataset_name}: {self.adata.n_obs} cells x {self.n_genes} genes, "
+            f"{len(self.conditions)} conditions from the {opened.meta['layout']} store in "
+            f"{time.perf_counter() - t0:.1f}s"
+        )
         return self
 
-    def _build_store(self, dataset_name: str, path: Path, backed: ad.AnnData, root: Path,
-                     key: str, *, condition_key: str, sep: str, control_names: tuple[str, ...],
-                     subset: dict | None) -> None:
+    def _build_store(
+        self,
+        dataset_name: str,
+        path: Path,
+        backed: ad.AnnData,
+        root: Path,
+        key: str,
+        *,
+        condition_key: str,
+        sep: str,
+        control_names: tuple[str, ...],
+        subset: dict | None,
+    ) -> None:
         """One chunked pass over the backed file -> a committed store (temp dir + rename)."""
         import h5py
 
@@ -748,22 +908,26 @@ class PertData:
 
         names = gene_names_of(backed)
         if backed.n_obs == 0 or backed.n_vars == 0:
-            raise GearsInputError(f"the AnnData is empty ({backed.n_obs} cells x "
-                                  f"{backed.n_vars} genes)")
+            raise GearsInputError(
+                f"the AnnData is empty ({backed.n_obs} cells x {backed.n_vars} genes)"
+            )
         if condition_key not in backed.obs:
             raise GearsInputError(
                 f"adata.obs has no {condition_key!r} column naming each cell's perturbation "
-                f"(columns present: {list(backed.obs.columns)})")
+                f"(columns present: {list(backed.obs.columns)})"
+            )
         raw = backed.obs[condition_key]
         if raw.isna().any():
             raise GearsInputError(
                 f"{int(raw.isna().sum())} cells have a missing (NaN/null) value in "
-                f"obs[{condition_key!r}]; label them (e.g. 'ctrl') or drop them")
+                f"obs[{condition_key!r}]; label them (e.g. 'ctrl') or drop them"
+            )
         dup = names[names.duplicated()].unique()
         if len(dup):
             raise GearsInputError(
                 f"{len(dup)} duplicate gene names, e.g. {list(dup[:5])}; make them unique "
-                "(adata.var_names_make_unique()) or drop the duplicates")
+                "(adata.var_names_make_unique()) or drop the duplicates"
+            )
         keep = np.ones(backed.n_obs, dtype=bool)
         for column, wanted in (subset or {}).items():
             if column not in backed.obs:
@@ -776,7 +940,8 @@ class PertData:
         if CTRL not in present:
             raise GearsInputError(
                 f"no control cells: none of obs[{condition_key!r}] is 'ctrl', 'control' or "
-                "'non-targeting' (pass control_names=(...) for other spellings)")
+                "'non-targeting' (pass control_names=(...) for other spellings)"
+            )
         if present == [CTRL]:
             raise GearsInputError("every cell is a control: the data has no perturbed cells")
         self._resolve_perturbations(present, set(names))
@@ -789,7 +954,8 @@ class PertData:
         if len(kept_conditions) < 2:
             raise GearsInputError(
                 f"no perturbed cells are left after dropping {sorted(drop)[:10]} (genes "
-                "without GO annotation or conditions with one cell)")
+                "without GO annotation or conditions with one cell)"
+            )
         codes = pd.Index(kept_conditions).get_indexer(conditions).astype(np.int64)
         n_kept = int((codes >= 0).sum())
         nnz = None
@@ -799,35 +965,60 @@ class PertData:
                 nnz = int(np.diff(indptr)[codes >= 0].sum())
         layout = store_mod.choose_layout(n_kept, len(names), nnz)
         writer = store_mod.StoreWriter(
-            root, key, len(names), layout,
-            index_dtype=np.int32 if (nnz or 0) < 2**31 - 1 else np.int64)
+            root,
+            key,
+            len(names),
+            layout,
+            index_dtype=np.int32 if (nnz or 0) < 2**31 - 1 else np.int64,
+        )
         try:
             stats = stream.stream_condition_stats(
-                backed.X, backed.n_obs, codes, len(kept_conditions), len(names),
-                self.chunk_cells, sink=writer.append_rows)
+                backed.X,
+                backed.n_obs,
+                codes,
+                len(kept_conditions),
+                len(names),
+                self.chunk_cells,
+                sink=writer.append_rows,
+            )
             if stats.max_value > 50:
-                self._log(f"warning: max expression {stats.max_value:.1f} looks like raw "
-                          "counts; GEARS expects log-normalised data")
+                self._log(
+                    f"warning: max expression {stats.max_value:.1f} looks like raw "
+                    "counts; GEARS expects log-normalised data"
+                )
             uns = dict(backed.uns)
             if all(k in uns for k in de_mod.DE_KEYS):  # DE results shipped with the file
                 de = self._translate_de_keys(uns, backed, condition_key)
             else:
-                de = de_mod.de_from_stats(kept_conditions, stats.sums, stats.sumsq,
-                                          stats.counts, np.asarray(names), n_top=N_DE,
-                                          n_ranked=N_DE_RANKED)
+                de = de_mod.de_from_stats(
+                    kept_conditions,
+                    stats.sums,
+                    stats.sumsq,
+                    stats.counts,
+                    np.asarray(names),
+                    n_top=N_DE,
+                    n_ranked=N_DE_RANKED,
+                )
             ranked, non_dropout, non_zero_mask = _de_arrays(de, kept_conditions, names)
             means = stats.means
             np.save(writer.tmp / "means.npy", means)
             cell_codes = codes[codes >= 0].astype(np.int32)
             writer.commit(
-                tables={"conditions": np.array(kept_conditions, dtype=str),
-                        "cell_condition": cell_codes,
-                        "gene_names": np.asarray(names, dtype=str),
-                        "de_ranked": ranked.astype(np.int32),
-                        "non_dropout_de": non_dropout.astype(np.int32),
-                        "non_zero_mask": non_zero_mask},
-                meta={"dataset": dataset_name, "source": str(path), "report": self.report,
-                      "n_input_cells": int(backed.n_obs)})
+                tables={
+                    "conditions": np.array(kept_conditions, dtype=str),
+                    "cell_condition": cell_codes,
+                    "gene_names": np.asarray(names, dtype=str),
+                    "de_ranked": ranked.astype(np.int32),
+                    "non_dropout_de": non_dropout.astype(np.int32),
+                    "non_zero_mask": non_zero_mask,
+                },
+                meta={
+                    "dataset": dataset_name,
+                    "source": str(path),
+                    "report": self.report,
+                    "n_input_cells": int(backed.n_obs),
+                },
+            )
         except BaseException:
             writer.abort()
             raise
@@ -864,17 +1055,22 @@ class PertData:
         self.expr = ExpressionMatrix.shared(opened.matrix())
         obs = pd.DataFrame(
             {"condition": pd.Categorical.from_codes(self.cell_condition, self.conditions)},
-            index=pd.RangeIndex(len(self.cell_condition)).astype(str))
-        self.adata = ad.AnnData(obs=obs, var=pd.DataFrame({"gene_name": self.gene_names.values},
-                                                          index=self.gene_names.values))
+            index=pd.RangeIndex(len(self.cell_condition)).astype(str),
+        )
+        self.adata = ad.AnnData(
+            obs=obs,
+            var=pd.DataFrame({"gene_name": self.gene_names.values}, index=self.gene_names.values),
+        )
         self.split = self.set2conditions = self.subgroup = self.dataloader = None
         self._graphs = {}
 
     def __repr__(self) -> str:
         if self.adata is None:
             return f"PertData(data_dir={str(self.data_dir)!r}, no data loaded)"
-        return (f"PertData({self.dataset_name}: {self.adata.n_obs} cells x {self.n_genes} genes, "
-                f"{len(self.conditions)} conditions, {len(self.pert_names)} perturbable genes)")
+        return (
+            f"PertData({self.dataset_name}: {self.adata.n_obs} cells x {self.n_genes} genes, "
+            f"{len(self.conditions)} conditions, {len(self.pert_names)} perturbable genes)"
+        )
 
 
 def torch_from(array: np.ndarray):
@@ -883,8 +1079,9 @@ def torch_from(array: np.ndarray):
     return torch.from_numpy(np.ascontiguousarray(array))
 
 
-def _de_arrays(de: dict, conditions: list[str], gene_names: pd.Index
-               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _de_arrays(
+    de: dict, conditions: list[str], gene_names: pd.Index
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """DE dicts (DE_KEYS layout, keyed by condition) -> index tables.
 
     Returns ranked [C, min(200, G)] DE-ranked gene indices, non_dropout [C, 20] and the loss
@@ -898,12 +1095,15 @@ def _de_arrays(de: dict, conditions: list[str], gene_names: pd.Index
         if name == CTRL:
             continue
         if name not in de[de_mod.RANK_KEY]:
-            raise GearsInputError(f"processed file lacks DE genes for condition {name!r}; "
-                                  "re-run new_data_process without skip_calc_de")
+            raise GearsInputError(
+                f"processed file lacks DE genes for condition {name!r}; "
+                "re-run new_data_process without skip_calc_de"
+            )
         idx = gene_names.get_indexer(np.asarray(de[de_mod.RANK_KEY][name]).astype(str))
         ranked[c, : min(len(idx), ranked.shape[1])] = idx[: ranked.shape[1]]
-        nd = gene_names.get_indexer(
-            np.asarray(de[de_mod.TOP_NON_DROPOUT_KEY][name]).astype(str))[:N_DE]
+        nd = gene_names.get_indexer(np.asarray(de[de_mod.TOP_NON_DROPOUT_KEY][name]).astype(str))[
+            :N_DE
+        ]
         non_dropout[c, : len(nd)] = nd
         non_zero_mask[c] = False
         non_zero_mask[c, np.asarray(de[de_mod.NON_ZERO_KEY][name], dtype=np.int64)] = True

@@ -32,7 +32,6 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
-import pickle
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path

@@ -50,8 +50,9 @@ def input_fingerprint(path: str | Path) -> dict:
 
 def store_key(source: dict, params: dict) -> str:
     """A short hash over the input's fingerprint and every processing parameter."""
-    blob = json.dumps({"version": STORE_VERSION, "source": source, "params": params},
-                      sort_keys=True, default=str)
+    blob = json.dumps(
+        {"version": STORE_VERSION, "source": source, "params": params}, sort_keys=True, default=str
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
@@ -81,9 +82,14 @@ class NpyAppender:
 
     def _write_header(self) -> int:
         buf = io.BytesIO()
-        np.lib.format.write_array_header_1_0(buf, {
-            "descr": np.lib.format.dtype_to_descr(self.dtype), "fortran_order": False,
-            "shape": (self.rows, *self.row_shape)})
+        np.lib.format.write_array_header_1_0(
+            buf,
+            {
+                "descr": np.lib.format.dtype_to_descr(self.dtype),
+                "fortran_order": False,
+                "shape": (self.rows, *self.row_shape),
+            },
+        )
         self.fh.write(buf.getvalue())
         return len(buf.getvalue())
 
@@ -144,8 +150,13 @@ class StoreWriter:
             np.save(self.tmp / "X_indptr.npy", indptr)
             n_cells = len(indptr) - 1
         np.savez(self.tmp / TABLES_NAME, **tables)
-        meta = {**meta, "version": STORE_VERSION, "key": self.key, "layout": self.layout,
-                "shape": [n_cells, self.n_genes]}
+        meta = {
+            **meta,
+            "version": STORE_VERSION,
+            "key": self.key,
+            "layout": self.layout,
+            "shape": [n_cells, self.n_genes],
+        }
         (self.tmp / META_NAME).write_text(json.dumps(meta, indent=1, default=str))
         final = self.root / self.key
         try:
@@ -183,8 +194,9 @@ class Store:
             return np.load(self.path / "X.npy", mmap_mode="r")
         import scipy.sparse as sp
 
-        arrays = [np.load(self.path / f"X_{n}.npy", mmap_mode="r")
-                  for n in ("data", "indices", "indptr")]
+        arrays = [
+            np.load(self.path / f"X_{n}.npy", mmap_mode="r") for n in ("data", "indices", "indptr")
+        ]
         csr = sp.csr_matrix(self.shape, dtype=np.float32)  # then swap in the memmaps, no copy
         csr.data, csr.indices, csr.indptr = arrays
         return csr

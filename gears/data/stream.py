@@ -85,7 +85,12 @@ def _add_group_sums(out: np.ndarray, codes: np.ndarray, block, square: bool) -> 
 
 
 def stream_condition_stats(
-    X, n_rows: int, codes: np.ndarray, n_conditions: int, n_genes: int, chunk_cells: int,
+    X,
+    n_rows: int,
+    codes: np.ndarray,
+    n_conditions: int,
+    n_genes: int,
+    chunk_cells: int,
     sink: Callable[[object], None] | None = None,
 ) -> ConditionStats:
     """One pass over the rows of X: validate, accumulate per-condition statistics, feed `sink`.
