@@ -5,6 +5,7 @@ tests/test_engine.py (1 process) and tests/test_distributed.py (2 processes)."""
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -196,4 +197,9 @@ def test_nan_loss_in_a_process_group_names_the_rank(tiny):
         with pytest.raises(NonFiniteLossError, match=r"step 2 \(batch 2 of the epoch\) on rank 0"):
             trainer.fit(_loaders(tiny), progress=False)
     finally:
+        # DDP's reducer holds the gloo group: freed after destroy_process_group (when this
+        # function's locals die) it joins gloo's thread with the GIL held and hangs. Free it
+        # first, as gears.distributed.release does.
+        trainer = model = None
+        gc.collect()
         dist.destroy_process_group()
