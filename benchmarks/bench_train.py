@@ -327,7 +327,8 @@ def evaluation_comparison(pert_data, net) -> dict:
     from gears.distributed import DistEnv
     from gears.evaluate import Evaluator
 
-    ev = Evaluator(pert_data, DistEnv(), net)
+    # Paired controls, like per-cell evaluation, so the two give the same means.
+    ev = Evaluator(pert_data, DistEnv(), net, control_mean="paired")
     t0 = time.perf_counter()
     ev.quick("test")  # cold: builds the cached test view (truth means, paired controls)
     quick_cold = time.perf_counter() - t0

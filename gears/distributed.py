@@ -401,17 +401,23 @@ def release(env: DistEnv) -> DistEnv:
         return env
     gc.collect()  # free unreferenced DDP reducers now, while the group is still alive
     dist.barrier()
-    # The barrier's work may still be releasing its tensors on gloo's thread (it takes the GIL):
-    # give it the GIL before shutting the thread down.
+    _destroy_group()
+    return DistEnv(env.rank, env.local_rank, env.world_size, env.device, None)
+
+
+def _destroy_group() -> None:
+    # The last collective's work may still be releasing its tensors on gloo's thread, which
+    # takes the GIL: give it the GIL first. A group whose last owner (a DDP reducer) is freed
+    # from Python later joins that thread with the GIL held and hangs if the thread still waits.
     time.sleep(0.05)
     dist.destroy_process_group()
-    return DistEnv(env.rank, env.local_rank, env.world_size, env.device, None)
 
 
 def cleanup(env: DistEnv) -> None:
     """Destroy the group if `release` did not (an error path: no barrier, a peer may be gone)."""
     if env.distributed and dist.is_initialized():
-        dist.destroy_process_group()
+        gc.collect()
+        _destroy_group()
 
 
 def barrier(env: DistEnv) -> None:

@@ -261,6 +261,7 @@ def _ddp_worker(rank: int, world: int, port: int, out: str) -> None:
         }
         with open(Path(out) / f"rank{rank}.pkl", "wb") as f:
             pickle.dump(result, f)
+        trainer = model = None  # free DDP while the group lives, as gears.run does
     finally:
         cleanup(env)
 
