@@ -13,6 +13,21 @@ SYNTHETIC_PARAMS = dict(
     n_genes=60, n_single=20, n_double=20, cells_per_condition=6, n_control_cells=40, n_modules=4
 )
 
+# The engine tests' screen: small enough to train a few epochs in seconds, and the same
+# parameters spelled for a command-line override (data.synthetic=...).
+TINY = {
+    "n_genes": 60,
+    "n_single": 16,
+    "n_double": 12,
+    "cells_per_condition": 16,
+    "n_control_cells": 128,
+    "n_modules": 4,
+}
+TINY_CLI = (
+    "{n_genes: 60, n_single: 16, n_double: 12, cells_per_condition: 16, "
+    "n_control_cells: 128, n_modules: 4}"
+)
+
 GENES = [f"G{i:02d}" for i in range(25)]
 # Raw spellings as users write them -> the canonical name the pipeline must produce.
 RAW_TO_CANONICAL = {

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import TINY, TINY_CLI
 
 from gears import checkpoint as ckpt
 from gears.api import GEARS
@@ -22,18 +23,6 @@ from gears.engine import Trainer, autocast_dtype, seed_everything
 from gears.errors import GearsInputError
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = {
-    "n_genes": 60,
-    "n_single": 16,
-    "n_double": 12,
-    "cells_per_condition": 16,
-    "n_control_cells": 128,
-    "n_modules": 4,
-}
-TINY_CLI = (
-    "{n_genes: 60, n_single: 16, n_double: 12, cells_per_condition: 16, "
-    "n_control_cells: 128, n_modules: 4}"
-)
 
 
 @pytest.fixture(scope="module")

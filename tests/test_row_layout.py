@@ -8,6 +8,7 @@ import copy
 import numpy as np
 import pytest
 import torch
+from helpers import TINY
 
 from gears.api import GEARS
 from gears.config import TrainConfig
@@ -15,15 +16,6 @@ from gears.data.pertdata import PertData
 from gears.distributed import DistEnv
 from gears.engine import CELL_ROWS, Trainer, seed_everything
 from gears.model.network import pad_rows, row_bucket, use_cell_rows
-
-TINY = {
-    "n_genes": 60,
-    "n_single": 16,
-    "n_double": 12,
-    "cells_per_condition": 16,
-    "n_control_cells": 128,
-    "n_modules": 4,
-}
 
 
 @pytest.fixture(scope="module")
