@@ -28,6 +28,37 @@ TINY_CLI = (
     "n_control_cells: 128, n_modules: 4}"
 )
 
+
+def tiny_split(folder: Path):
+    """The TINY synthetic screen loaded into `folder` with a seed-1 simulation split."""
+    from gears.data.pertdata import PertData
+
+    pert_data = PertData(folder, verbose=False)
+    pert_data.load("synthetic", synthetic_params=TINY)
+    return pert_data.prepare_split("simulation", seed=1)
+
+
+def join_local_gloo(rank: int, world: int, port: int):
+    """In a spawned test worker: the launcher variables for one local gloo rank, one thread, then
+    join the group. Returns the DistEnv."""
+    import os
+
+    import torch
+
+    from gears.distributed import init_distributed
+
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+    )
+    torch.set_num_threads(1)
+    return init_distributed("cpu", "gloo", timeout_s=120)
+
+
 GENES = [f"G{i:02d}" for i in range(25)]
 # Raw spellings as users write them -> the canonical name the pipeline must produce.
 RAW_TO_CANONICAL = {

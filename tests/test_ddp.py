@@ -3,7 +3,6 @@ evaluation equals single-process evaluation."""
 
 from __future__ import annotations
 
-import os
 import pickle
 from pathlib import Path
 
@@ -11,10 +10,11 @@ import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
+from helpers import join_local_gloo
 
 from gears.config import DistributedConfig, TrainConfig
 from gears.data.pertdata import PertData
-from gears.distributed import DistEnv, cleanup, find_free_port, init_distributed
+from gears.distributed import DistEnv, cleanup, find_free_port
 from gears.engine import Trainer
 from gears.evaluate import Evaluator
 
@@ -24,7 +24,8 @@ SGD = dict(epochs=1, schedule="constant", optimizer="sgd", lr=0.01, weight_decay
 
 def _setup(data_dir: Path):
     # Imported here so spawned children find the helpers next to this file.
-    from test_engine import TINY, ListLoader, build, group_batches
+    from helpers import TINY
+    from test_engine import ListLoader, build, group_batches
 
     pd_ = PertData(data_dir, verbose=False).load("synthetic", synthetic_params=TINY)
     pd_.prepare_split("simulation", seed=1)
@@ -58,16 +59,7 @@ def _train(rank: int, world: int, data_dir: Path, sync_bn: bool, freeze_bn: bool
 
 
 def _worker(rank: int, world: int, port: int, out: str, sync_bn: bool, freeze_bn: bool):
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        OMP_NUM_THREADS="1",
-    )
-    torch.set_num_threads(1)
-    env = init_distributed("cpu", "gloo", timeout_s=120)
+    env = join_local_gloo(rank, world, port)
     try:
         result = _train(rank, world, Path(out) / f"data{rank}", sync_bn, freeze_bn, env)
         if rank == 0:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_engine import TINY, TINY_CLI
+from helpers import TINY, TINY_CLI
 
 from gears import checkpoint as ckpt
 from gears.distributed import find_free_port, first_slurm_host, init_distributed, slurm_to_env

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import TINY, TINY_CLI
+from helpers import TINY_CLI, tiny_split
 
 from gears.api import GEARS
 from gears.config import TrainConfig, load_config
@@ -26,9 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> PertData:
-    pd_ = PertData(tmp_path_factory.mktemp("data"), verbose=False)
-    pd_.load("synthetic", synthetic_params=TINY)
-    return pd_.prepare_split("simulation", seed=1)
+    return tiny_split(tmp_path_factory.mktemp("data"))
 
 
 @pytest.fixture(scope="module")

@@ -20,8 +20,9 @@ import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
+from helpers import TINY, join_local_gloo
 from test_distributed import TINY_RUN, _env, _launch, _metrics, clean_launch_env  # noqa: F401
-from test_engine import TINY, ListLoader, build, group_batches
+from test_engine import ListLoader, build, group_batches
 
 from gears import checkpoint as ckpt
 from gears.config import Config, DistributedConfig, TrainConfig
@@ -33,7 +34,6 @@ from gears.distributed import (
     cleanup,
     default_master_port,
     find_free_port,
-    init_distributed,
     resolve_device,
     slurm_to_env,
 )
@@ -220,16 +220,7 @@ def test_rng_state_keeps_only_this_gpus_state():
 
 # --------------------------------------------------------------------- DDP buffers (7, 11)
 def _ddp_worker(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        OMP_NUM_THREADS="1",
-    )
-    torch.set_num_threads(1)
-    env = init_distributed("cpu", "gloo", timeout_s=120)
+    env = join_local_gloo(rank, world, port)
     try:
         # A caller's own script already in a group: rank 1 waits on the group's store while
         # rank 0 builds the shared data folder, then reads rank 0's files.

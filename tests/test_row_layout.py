@@ -8,7 +8,7 @@ import copy
 import numpy as np
 import pytest
 import torch
-from helpers import TINY
+from helpers import tiny_split
 
 from gears.api import GEARS
 from gears.config import TrainConfig
@@ -20,9 +20,7 @@ from gears.model.network import pad_rows, row_bucket, use_cell_rows
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> PertData:
-    pd_ = PertData(tmp_path_factory.mktemp("data"), verbose=False)
-    pd_.load("synthetic", synthetic_params=TINY)
-    return pd_.prepare_split("simulation", seed=1)
+    return tiny_split(tmp_path_factory.mktemp("data"))
 
 
 def _trainer(pd_: PertData, **cfg) -> Trainer:
