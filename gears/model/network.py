@@ -57,6 +57,59 @@ class _WeightedBatchNormFn(torch.autograd.Function):
         return dx, None, dgamma, dbeta, None
 
 
+class _BlockWeightedBatchNormFn(torch.autograd.Function):
+    """Weighted batch-norm of x [U * k, C] whose rows form U consecutive blocks of k rows, every
+    row of block u weighing f_u / k (f [U] sums to 1): GEARSNet's [U*G, H] cell-gene rows,
+    where a perturbation's G rows all stand for its cells. Every pass is a native batch-norm
+    kernel, which reads x in its own dtype and computes in fp32 (float64 for float64 x), so a
+    half-precision x is never copied to fp32:
+
+    forward: per-block mean and variance (U native training-mode calls on the contiguous
+    blocks), combined exactly (Chan et al.): mean = sum f_u m_u, var = sum f_u (v_u +
+    (m_u - mean)^2); then one eval-mode native pass normalises with them.
+    backward: the native training-mode backward with these statistics gives the unweighted
+    dx_n = r gamma (dy - (sum(dy) + xhat sum(dy xhat)) / N), dgamma and dbeta; the weighted
+    gradient adds, per block, r gamma (1/N - f_u/k) (sum(dy) + xhat sum(dy xhat)): an affine
+    function of x, one eval-mode native pass per block. Equal weights make it exactly zero.
+    """
+
+    @staticmethod
+    def forward(ctx, x, f, gamma, beta, eps, blocks):
+        k = x.shape[0] // blocks
+        parts = [
+            torch.native_batch_norm(x[u * k : (u + 1) * k], gamma, beta, None, None, True, 0.0, eps)
+            for u in range(blocks)
+        ]
+        block_mean = torch.stack([p[1] for p in parts])  # [U, C], fp32 (float64 for float64 x)
+        block_var = torch.stack([p[2] for p in parts]).pow(-2).sub_(eps).clamp_(min=0)
+        f = f.to(block_mean.dtype)
+        mean = f @ block_mean
+        var = f @ (block_var + (block_mean - mean).square())
+        r = torch.rsqrt(var + eps)
+        y = torch.native_batch_norm(x, gamma, beta, mean, var, False, 0.0, eps)[0]
+        ctx.save_for_backward(x, f, gamma, mean, var, r)
+        ctx.eps, ctx.blocks = eps, blocks
+        return y, mean, var
+
+    @staticmethod
+    def backward(ctx, dy, _dmean, _dvar):
+        x, f, gamma, mean, var, r = ctx.saved_tensors
+        eps, blocks = ctx.eps, ctx.blocks
+        k = x.shape[0] // blocks
+        dx, dgamma, dbeta = torch.ops.aten.native_batch_norm_backward(
+            dy.contiguous(), x, gamma, None, None, mean, r, True, eps, [True, True, True]
+        )
+        # Correction to the per-block weights, an affine function of xhat = (x - mean) r.
+        scale = (1.0 / x.shape[0] - f / k).unsqueeze(1) * (r * gamma)  # [U, C]
+        slope, offset = scale * dgamma, scale * dbeta
+        for u in range(blocks):
+            rows = slice(u * k, (u + 1) * k)
+            dx[rows] += torch.native_batch_norm(
+                x[rows], slope[u], offset[u], mean, var, False, 0.0, eps
+            )[0]
+        return dx, None, dgamma, dbeta, None, None
+
+
 def _stat_dtype(x: torch.Tensor) -> torch.dtype:
     """Batch statistics are never computed in half precision: fp16 sums overflow at 65,504 and
     bf16 ones carry ~4e-3 relative error. float64 nets keep float64."""
@@ -79,12 +132,32 @@ class WeightedBatchNorm1d(nn.BatchNorm1d):
 
     sync: bool = False
 
-    def forward(self, x: torch.Tensor, weight: torch.Tensor | float | None = None) -> torch.Tensor:
-        """x [N, C]; weight [N] row multiplicities (0 excludes a row), a scalar, or None (= 1)."""
+    def forward(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor | float | None = None,
+        blocks: int | None = None,
+    ) -> torch.Tensor:
+        """x [N, C]; weight [N] row multiplicities (0 excludes a row), a scalar, or None (= 1).
+        blocks=U: the caller guarantees that x's rows are U equal consecutive blocks whose rows
+        share one weight (GEARSNet's cell-gene rows); the statistics are then combined from
+        per-block native kernels, in x's dtype without an fp32 copy (_BlockWeightedBatchNormFn)."""
         if not self.training:
             return super().forward(x)
         distributed = self.sync and dist.is_available() and dist.is_initialized()
         tensor_weight = torch.is_tensor(weight) and weight.dim() == 1
+        if tensor_weight and not distributed and blocks is not None and blocks > 1:
+            stat_dtype = _stat_dtype(x)
+            block_w = weight.reshape(blocks, -1)[:, 0].to(stat_dtype)  # [U], no host sync
+            total = weight.to(stat_dtype).sum()
+            with torch.autocast(x.device.type, enabled=False):
+                # All-zero weights (no perturbed row): fractions 0, statistics 0, output finite.
+                f = block_w / block_w.sum().clamp(min=1e-12)
+                y, mean, var = _BlockWeightedBatchNormFn.apply(
+                    x, f, self.weight, self.bias, self.eps, blocks
+                )
+            self._update_running(mean, var, total)
+            return y
         if not tensor_weight and not distributed and x.shape[0] > 1:
             # The native kernel returns the batch mean and 1/sqrt(var + eps) it normalised with:
             # the running statistics need no second pass over x (torch.var_mean cost ~10x more).
@@ -254,10 +327,10 @@ class MLP(nn.Module):
         self.linears = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
         self.norms = nn.ModuleList(WeightedBatchNorm1d(b) for b in sizes[1:])
 
-    def forward(self, x: torch.Tensor, weight=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weight=None, blocks: int | None = None) -> torch.Tensor:
         last = len(self.linears) - 1
         for i, (linear, norm) in enumerate(zip(self.linears, self.norms)):
-            x = norm(linear(x), weight)
+            x = norm(linear(x), weight, blocks)
             if i < last:
                 x = torch.relu(x)
         return x
@@ -398,8 +471,9 @@ class GEARSNet(nn.Module):
         h = (base.unsqueeze(0) + fused.unsqueeze(1)).reshape(U * G, -1)  # [U*G, H]
         row_w = per_row.repeat_interleave(G) if per_row is not None else m
         row_w_u = per_row if per_row is not None else m
-        h = torch.relu(self.bn_pert_base(h, row_w))
-        out = self.recovery_w(h, row_w).reshape(U, G, -1)
+        blocks = U if per_row is not None else None  # each row's G genes share its weight
+        h = torch.relu(self.bn_pert_base(h, row_w, blocks))
+        out = self.recovery_w(h, row_w, blocks).reshape(U, G, -1)
         w = (out * self.indv_w1).sum(-1) + self.indv_b1[:, 0]  # per-gene decoder, [U, G]
         # The cross-gene MLP runs in fp32 even under autocast: the rows of w differ only by
         # their perturbations' effects, small beside the per-gene part all rows share, so bf16
@@ -411,7 +485,7 @@ class GEARSNet(nn.Module):
         w2 = self.indv_w2[0]
         delta = w * w2[:, 0] + cross @ w2[:, 1:].t() + self.indv_b2
         if self.uncertainty:
-            logvar = self.uncertainty_w(h, row_w).reshape(U, G)
+            logvar = self.uncertainty_w(h, row_w, blocks).reshape(U, G)
             return delta, logvar
         return delta
 
