@@ -370,7 +370,8 @@ class Trainer:
             if last_micro:
                 if self.cfg.grad_clip > 0:
                     self.scaler.unscale_(self.opt)
-                    torch.nn.utils.clip_grad_value_(params, self.cfg.grad_clip)
+                    # foreach: one kernel for all gradients (CPU's default is a loop per tensor)
+                    torch.nn.utils.clip_grad_value_(params, self.cfg.grad_clip, foreach=True)
                 self.scaler_step()
                 self.opt.zero_grad(set_to_none=True)
                 self.step += 1

@@ -314,8 +314,8 @@ def all_rows_max_norm(emb: nn.Embedding) -> torch.Tensor:
     `nn.Embedding(max_norm=True)` looked up with arange, in one vectorised step instead of
     PyTorch's per-row renorm loop. -> [rows, H]"""
     with torch.no_grad():
-        norms = emb.weight.norm(dim=1, keepdim=True)
-        emb.weight.mul_(torch.where(norms > 1, 1.0 / (norms + 1e-7), torch.ones_like(norms)))
+        # renorm_ scales rows of norm > 1 by 1 / (norm + 1e-7), as embedding_renorm_ does.
+        emb.weight.renorm_(2, 0, 1.0)
     return emb.weight
 
 
