@@ -226,6 +226,86 @@ def test_weighted_bn_momentum_none_is_cumulative_average():
     torch.testing.assert_close(wbn.running_var, ref.running_var)
 
 
+@pytest.mark.parametrize("block_weights", [[3, 1, 2, 5], [1, 1, 1, 1], [2, 0, 4, 1]])
+def test_block_weighted_bn_equals_batchnorm_on_repeated_blocks(block_weights):
+    """blocks=U (GEARSNet's [U*G, H] rows: every row of block u stands for w_u cells): output,
+    gradients and running statistics equal nn.BatchNorm1d on the per-cell batch, in which each
+    block is repeated w_u times (a zero-weight block takes no part in the statistics)."""
+    wbn, ref = _bn_pair()
+    w_block = torch.tensor(block_weights)
+    k = 7  # rows per block
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(len(w_block) * k, 5, generator=gen, dtype=torch.float64) * 3 + 1
+    w = w_block.repeat_interleave(k).double()
+    cells = torch.cat(
+        [torch.arange(u * k, (u + 1) * k).repeat(int(n)) for u, n in enumerate(w_block)]
+    )
+    target = torch.randn(len(cells), 5, generator=gen, dtype=torch.float64)
+
+    xw = x.clone().requires_grad_()
+    yw = wbn(xw, w, blocks=len(w_block))
+    ((yw[cells] - target) ** 3).sum().backward()
+    xr = x.clone().requires_grad_()
+    yr = ref(xr[cells])
+    ((yr - target) ** 3).sum().backward()
+
+    torch.testing.assert_close(yw[cells], yr, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(xw.grad, xr.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(wbn.weight.grad, ref.weight.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(wbn.bias.grad, ref.bias.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(wbn.running_mean, ref.running_mean, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(wbn.running_var, ref.running_var, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("even", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_block_weighted_bn_half_precision_statistics_and_gradient(dtype, even):
+    """The block path on a half-precision input (never copied to fp32): running statistics are
+    the float64 ones of the rounded input within fp32 rounding, and the input gradient is the
+    float64 one within 2% of its scale, also when the upstream gradient has a large common
+    part (100x its variation) that the batch-norm gradient must cancel. With even weights the
+    true gradient is then ~100x smaller than dy; composing it from half-precision terms
+    (r gamma dy - r gamma f sum(dy) - ...) leaves ~2^-9 of the common part: 10-13% errors
+    (measured) in bf16. The native kernels cancel it in fp32."""
+    gen = torch.Generator().manual_seed(5)
+    blocks, k, c = 6, 2000, 4
+    x = (torch.randn(blocks * k, c, generator=gen) * 2 + 3).to(dtype)
+    w_block = torch.full((blocks,), 3.0) if even else torch.tensor([4.0, 1, 3, 2, 8, 1])
+    w = w_block.repeat_interleave(k)
+    dy = (100 + torch.randn(blocks * k, c, generator=gen)).to(dtype)
+    bn = WeightedBatchNorm1d(c, momentum=1.0)
+    with torch.no_grad():
+        bn.weight.copy_(torch.tensor([0.5, 1.0, 1.5, 2.0]))
+    xh = x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=dtype):
+        y = bn(xh, w, blocks=blocks)
+    assert y.dtype == dtype
+    y.backward(dy)
+    assert xh.grad.dtype == dtype
+
+    xd = x.double().requires_grad_()
+    frac = w.double() / w.double().sum()
+    mean = frac @ xd
+    var = frac @ (xd - mean) ** 2
+    yd = (xd - mean) / torch.sqrt(var + bn.eps) * bn.weight.detach().double()
+    yd.backward(dy.double())
+    n_cells = w.double().sum()
+    torch.testing.assert_close(bn.running_mean.double(), mean.detach(), rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        bn.running_var.double(), var.detach() * n_cells / (n_cells - 1), rtol=1e-5, atol=0
+    )
+    assert (y.double() - yd).abs().max() < 2e-2 * yd.abs().max()  # the output's own rounding
+    # Per channel: the gradient's error relative to that channel's gradient scale.
+    err = (xh.grad.double() - xd.grad).abs().amax(0)
+    assert (err < 2e-2 * xd.grad.abs().amax(0)).all(), (err / xd.grad.abs().amax(0)).tolist()
+    # dgamma = sum(dy xhat), dbeta = sum(dy): fp32 sums of 12,000 terms, exact to fp32
+    # accumulation relative to the sum of the terms' magnitudes (they cancel when even).
+    terms = dy.double() * ((xd - mean) / torch.sqrt(var + bn.eps)).detach()
+    gamma_err = (bn.weight.grad.double() - terms.sum(0)).abs()
+    assert (gamma_err < 1e-6 * terms.abs().sum(0)).all(), gamma_err.tolist()
+    torch.testing.assert_close(bn.bias.grad.double(), dy.double().sum(0), rtol=1e-5, atol=0)
+
+
 # ----------------------------------------------------------------------------- all_rows_max_norm
 def test_all_rows_max_norm_renormalises_long_rows_only():
     emb = nn.Embedding(6, 4)
