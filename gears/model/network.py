@@ -243,6 +243,13 @@ def graph_propagate(
     transpose (for the gradient). x [N, H] -> [N, H], in fp32 for half-precision inputs (sparse
     kernels have none) and in x's dtype otherwise. A custom op, so that torch.compile treats
     the sparse product as one opaque node instead of breaking the graph around it."""
+    return _csr_product(crow, col, values, x)
+
+
+def _csr_product(
+    crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor, x: torch.Tensor
+) -> torch.Tensor:
+    """A @ x for the CSR matrix (crow, col, values), in fp32 for half-precision x."""
     dtype = _stat_dtype(x)
     with torch.autocast(x.device.type, enabled=False):
         adj = torch.sparse_csr_tensor(
@@ -277,6 +284,25 @@ def _graph_propagate_backward(ctx, grad):
 graph_propagate.register_autograd(_graph_propagate_backward, setup_context=_graph_propagate_setup)
 
 
+class _GraphPropagateFn(torch.autograd.Function):
+    """graph_propagate for eager mode: the same product and gradient through a plain autograd
+    Function, which costs ~150 us less per call than the torch.library custom op's Python
+    dispatch (two calls a step: ~2% of a grouped step at 1,000 genes). torch.compile uses the
+    custom op (an opaque node instead of a graph break around the sparse tensor)."""
+
+    @staticmethod
+    def forward(ctx, crow, col, values, crow_t, col_t, values_t, x):
+        ctx.save_for_backward(crow_t, col_t, values_t)
+        ctx.x_dtype = x.dtype
+        return _csr_product(crow, col, values, x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        crow_t, col_t, values_t = ctx.saved_tensors
+        dx = _csr_product(crow_t, col_t, values_t, grad.contiguous())
+        return None, None, None, None, None, None, dx.to(ctx.x_dtype)
+
+
 def gcn_normalised_csr(
     edge_index: torch.Tensor, edge_weight: torch.Tensor, num_nodes: int, transpose: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -306,7 +332,9 @@ class FixedGraphConv(nn.Module):
 
     def forward(self, x: torch.Tensor, graph: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """x [N, in]; graph (crow, col, values, crow_t, col_t, values_t) -> [N, out]"""
-        return self.lin(graph_propagate(*graph, x))
+        if torch.compiler.is_compiling():
+            return self.lin(graph_propagate(*graph, x))
+        return self.lin(_GraphPropagateFn.apply(*graph, x))
 
 
 def all_rows_max_norm(emb: nn.Embedding) -> torch.Tensor:
