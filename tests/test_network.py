@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gears.model.network import GEARSNet, WeightedBatchNorm1d, all_rows_max_norm
+from gears.model.network import GEARSNet, WeightedBatchNorm1d, all_rows_max_norm, gene_decode
 
 G, P, H = 24, 10, 8  # genes, perturbable genes, hidden size
 
@@ -304,6 +304,26 @@ def test_block_weighted_bn_half_precision_statistics_and_gradient(dtype, even):
     gamma_err = (bn.weight.grad.double() - terms.sum(0)).abs()
     assert (gamma_err < 1e-6 * terms.abs().sum(0)).all(), gamma_err.tolist()
     torch.testing.assert_close(bn.bias.grad.double(), dy.double().sum(0), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gene_decode_equals_autograd_expression(dtype):
+    """gene_decode's half-precision Function gives what autograd gives for (out * w1).sum(-1):
+    the fp32 output and d_w1, and d_out in out's dtype (the same fp32 products, rounded once)."""
+    gen = torch.Generator().manual_seed(6)
+    out = torch.randn(5, 30, 8, generator=gen).to(dtype)
+    w1 = torch.randn(30, 8, generator=gen)
+    grad = torch.randn(5, 30, generator=gen)
+    results = []
+    for fn in (gene_decode, lambda o, w: (o * w).sum(-1)):
+        o, w = out.clone().requires_grad_(), w1.clone().requires_grad_()
+        y = fn(o, w)
+        y.backward(grad)
+        results.append((y, o.grad, w.grad))
+    for a, b in zip(*results):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert results[0][0].dtype == torch.float32 and results[0][1].dtype == dtype
 
 
 # ----------------------------------------------------------------------------- all_rows_max_norm
