@@ -174,3 +174,31 @@ def test_bfloat16_inputs_are_computed_in_float32():
     loss16 = gears_loss(pred.bfloat16(), y.float(), INVERSE, COUNTS, MASK, ctrl.float())
     assert loss16.dtype == torch.float32
     assert loss16.item() == pytest.approx(loss32.item(), rel=2e-2)
+
+
+@pytest.mark.parametrize("gamma, lam, temperature", [(2.0, 0.1, 0.1), (0.5, 1.0, 0.7)])
+def test_analytic_gradient_equals_autograd_of_the_expression(gamma, lam, temperature):
+    """gears_loss (without logvar) has a hand-written backward: its gradient to pred equals
+    autograd's through the plain expression, at float32 rounding, away from pred = y (where
+    |d|^(2 + gamma) has a kink for gamma < 1)."""
+    gen = torch.Generator().manual_seed(4)
+    pred = torch.randn(6, 50, generator=gen)
+    y = pred + torch.randn(6, 50, generator=gen).sign() * (0.1 + torch.rand(6, 50, generator=gen))
+    ctrl = torch.randn(50, generator=gen) * 0.3
+    inverse = torch.tensor([0, 1, 2, 0, 1, 0])
+    counts = torch.tensor([3.0, 2.0, 1.0])
+    mask = torch.rand(3, 50, generator=gen) > 0.3
+    p1 = pred.clone().requires_grad_()
+    loss = gears_loss(
+        p1, y, inverse, counts, mask, ctrl, gamma=gamma, direction_lambda=lam,
+        direction_temperature=temperature,
+    )  # fmt: skip
+    loss.backward()
+    p2 = pred.clone().requires_grad_()
+    n_genes = mask.sum(1).float()
+    w = mask.float()[inverse] / (3 * counts * n_genes)[inverse].unsqueeze(1)
+    direction = (torch.sign(y - ctrl) - torch.tanh((p2 - ctrl) / temperature)) ** 2
+    expected = (w * ((p2 - y).abs() ** (2 + gamma) + lam * direction)).sum()
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(p1.grad, p2.grad, rtol=1e-5, atol=1e-9)
