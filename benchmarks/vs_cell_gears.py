@@ -153,9 +153,10 @@ def source_pert_data(name: str, work: Path):
             work / "source",
             gene2go=SHARED_DATA / "gene2go_human.tsv.gz",
             gene_aliases=SHARED_DATA / "gene_aliases_human.tsv.gz",
+            # GEARS's behaviour for perturbed genes without GO annotation: drop their conditions.
+            unmapped_perts="drop",
             verbose=False,
         )
-        # GEARS's behaviour for perturbed genes without GO annotation: drop those conditions.
         return pd_.load(data_name=str(h5ad), subset={"dataset": "norman19"})
     raise SystemExit(f"unknown dataset {name!r}; choose from {DATASETS}")
 
