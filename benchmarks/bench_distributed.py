@@ -12,7 +12,6 @@ and shared through a file so every configuration trains the same network on the 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import statistics
@@ -135,7 +134,7 @@ def worker(
     args: argparse.Namespace,
 ) -> None:
     """One rank of a `train_distributed.py --nproc N`-style launch."""
-    from gears.distributed import barrier, cleanup, init_distributed
+    from gears.distributed import cleanup, init_distributed, release
 
     os.environ.update(
         RANK=str(rank),
@@ -154,12 +153,7 @@ def worker(
         )  # DDP and its buffers are freed on return
         if result is not None:
             Path(out_path).write_text(json.dumps(result))
-        barrier(env)
-        # Let gloo's worker thread release its last finished work (it needs the GIL) before the
-        # process group is destroyed: destroying it from a Python dealloc while that thread
-        # waits for the GIL deadlocks (seen with torch 2.13 when DDP was freed at exit).
-        gc.collect()
-        time.sleep(0.2)
+        env = release(env)  # the project's teardown order (barrier, collect, yield, destroy)
     finally:
         cleanup(env)
 

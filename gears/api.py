@@ -21,6 +21,17 @@ from gears.model.network import GEARSNet
 MODEL_FILE, CONFIG_FILE = "model.pt", "config.json"
 
 
+# TrainConfig fields that shape the data loaders (PertData.dataloader_settings has them too).
+LOADER_KEYS = (
+    "batch_size",
+    "test_batch_size",
+    "num_workers",
+    "batching",
+    "cells_per_group",
+    "block_size",
+)
+
+
 class GEARS:
     """Train and query a GEARS model on a PertData (after `prepare_split`)."""
 
@@ -150,20 +161,8 @@ class GEARS:
         cfg = train_cfg or TrainConfig(
             epochs=epochs, lr=lr, weight_decay=weight_decay, **train_kwargs
         )
-        loaders = self.pert_data.dataloader
-        if loaders is None or "train_loader" not in loaders:
-            loaders = self.pert_data.get_dataloader_distributed(
-                cfg.batch_size,
-                cfg.test_batch_size,
-                self.env.world_size,
-                self.env.rank,
-                num_workers=cfg.num_workers,
-                batching=cfg.batching,
-                cells_per_group=cfg.cells_per_group,
-                pin_memory=self.device.type == "cuda",
-                device=self.device,
-                block_size=cfg.block_size,
-            )
+        explicit = set(LOADER_KEYS) if train_cfg is not None else set(train_kwargs)
+        loaders = self._loaders(cfg, explicit)
         if "train_loader" not in loaders:
             raise GearsInputError(f"split {self.pert_data.split.split_type!r} has no training set")
         self.trainer = Trainer(
@@ -183,6 +182,41 @@ class GEARS:
         self.history = self.trainer.fit(loaders, progress=progress)
         self.best_model = self.model
         return self.history
+
+    def _loaders(self, cfg: TrainConfig, explicit: set[str]) -> dict:
+        """The training loaders: pert_data's own (cell-gears style: get_dataloader(...), then
+        train()) when they were built for this process and for every loader setting the caller
+        gave explicitly, their settings then copied into cfg; else new ones built from cfg."""
+        pd_ = self.pert_data
+        built = pd_.dataloader_settings if pd_.dataloader else None
+        if built is not None and "train_loader" in pd_.dataloader:
+            mine = (built["world_size"], built["rank"]) == (self.env.world_size, self.env.rank)
+            differs = {
+                k: (getattr(cfg, k), built[k])
+                for k in LOADER_KEYS
+                if k in explicit and getattr(cfg, k) != built[k]
+            }
+            if mine and not differs:
+                for k in LOADER_KEYS:
+                    setattr(cfg, k, built[k])
+                return pd_.dataloader
+            if mine and self.env.is_main:
+                asked = ", ".join(
+                    f"{k}={want!r} (loaders: {have!r})" for k, (want, have) in differs.items()
+                )
+                print(f"train(): rebuilding the data loaders for {asked}")
+        return pd_.get_dataloader_distributed(
+            cfg.batch_size,
+            cfg.test_batch_size,
+            self.env.world_size,
+            self.env.rank,
+            num_workers=cfg.num_workers,
+            batching=cfg.batching,
+            cells_per_group=cfg.cells_per_group,
+            pin_memory=self.device.type == "cuda",
+            device=self.device,
+            block_size=cfg.block_size,
+        )
 
     # -------------------------------------------------------------------------------- predict
     def _pert_rows(self, pert_list: list[list[str]]) -> np.ndarray:

@@ -134,6 +134,23 @@ def test_bf16_trains_close_to_fp32(tiny):
     assert abs(val["bf16"] - val["fp32"]) < 0.15 * val["fp32"]
 
 
+def test_train_uses_loaders_built_for_its_settings(tmp_path, capsys):
+    """cell-gears style (get_dataloader, then train()) keeps the user's loaders and records their
+    batch size; a batch size given to train() itself is honoured, not silently ignored."""
+    pd_ = tiny_split(tmp_path)
+    pd_.get_dataloader(16, 64)
+    model = build(pd_)
+    model.train(epochs=1, progress=False, limit_batches=1)
+    assert model.trainer.cfg.batch_size == 16
+    assert next(iter(pd_.dataloader["train_loader"])).x.shape[0] == 16
+
+    model.train(epochs=1, progress=False, limit_batches=1, batch_size=8)
+    assert model.trainer.cfg.batch_size == 8
+    assert pd_.dataloader_settings["batch_size"] == 8
+    assert next(iter(pd_.dataloader["train_loader"])).x.shape[0] == 8
+    assert "batch_size=8 (loaders: 16)" in capsys.readouterr().out
+
+
 def test_fp16_on_cpu_is_a_clear_error():
     with pytest.raises(GearsInputError, match="fp16 needs a CUDA device"):
         autocast_dtype("fp16", torch.device("cpu"))

@@ -206,6 +206,19 @@ def test_coexpression_graph_sparse_equals_dense_and_reference():
         assert not any(11 in pair for pair in expected)
 
 
+def test_correlation_in_symmetric_gene_blocks_equals_numpy():
+    """3,100 genes: the Gram matrix is accumulated in 3 x 3 upper blocks and mirrored."""
+    from gears.data.graphs import _abs_correlation
+
+    rng = np.random.default_rng(2)
+    X = rng.normal(size=(120, 8)) @ rng.normal(size=(8, 3100)) + rng.normal(size=(120, 3100))
+    X = np.maximum(X, 0).astype(np.float32)
+    want = np.abs(np.corrcoef(X.astype(np.float64), rowvar=False))
+    for got in (_abs_correlation(X), _abs_correlation(sp.csr_matrix(X), rows=np.arange(120))):
+        assert np.allclose(got, want, atol=2e-5)
+        assert np.array_equal(got, got.T)
+
+
 def test_coexpression_graph_rejects_shape_mismatch():
     with pytest.raises(GearsInputError, match="6 genes"):
         coexpression_graph(COEXPR_X[:, :5], COEXPR_GENES)

@@ -407,14 +407,29 @@ def _abs_correlation(X, rows: np.ndarray | None = None) -> np.ndarray:
         mean /= max(n_cells, 1)
     mean32 = torch.from_numpy(mean.astype(np.float32))
     gram = torch.zeros((n_genes, n_genes), dtype=torch.float32)
+    # The Gram matrix is symmetric: accumulate only its blocks on and above the diagonal (about
+    # half the work at thousands of genes; blocks of >= 1,024 genes keep the BLAS calls large),
+    # then mirror them below it.
+    n_blocks = max(1, min(8, n_genes // 1024))
+    edges = [round(i * n_genes / n_blocks) for i in range(n_blocks + 1)]
+    blocks = list(zip(edges[:-1], edges[1:]))
     for start in range(0, n_cells, chunk):
         part = part_at(start)
         centred = torch.from_numpy(np.asarray(part, dtype=np.float32)) - mean32
-        gram.addmm_(centred.T, centred)
+        for k, (i0, i1) in enumerate(blocks):
+            for j0, j1 in blocks[k:]:
+                gram[i0:i1, j0:j1].addmm_(centred[:, i0:i1].T, centred[:, j0:j1])
+    for k, (i0, i1) in enumerate(blocks):  # exactly symmetric: r(a, b) == r(b, a)
+        diag = gram[i0:i1, i0:i1]
+        diag.copy_(torch.triu(diag) + torch.triu(diag, 1).T)
+        for j0, j1 in blocks[k + 1 :]:
+            gram[j0:j1, i0:i1] = gram[i0:i1, j0:j1].T
     norm = gram.diagonal().clamp_min(0).sqrt()
     # A tiny relative norm is float32 noise around a constant gene, not variation.
     scale = torch.where(norm > 1e-6 * (mean32.abs() + 1) * n_cells**0.5, 1 / norm, 0)
-    corr = gram.mul_(scale[:, None]).mul_(scale[None, :]).abs_().clamp_(max=1.0)
+    for i0, i1 in blocks:  # one product per entry (s_a * s_b), so r stays symmetric
+        gram[i0:i1].mul_(scale[i0:i1, None] * scale[None, :])
+    corr = gram.abs_().clamp_(max=1.0)
     corr.diagonal().copy_((scale > 0).float())
     return corr.numpy()
 

@@ -180,6 +180,9 @@ class PertData:
         self.set2conditions: dict[str, list[str]] | None = None
         self.subgroup: dict | None = None
         self.dataloader: dict[str, EpochLoader] | None = None
+        # The arguments the current loaders were built with (GEARS.train compares them with its
+        # training config instead of silently training on loaders built for other settings).
+        self.dataloader_settings: dict | None = None
         self.report: dict = {}
         self._graphs: dict = {}
         self.synthetic = None
@@ -696,6 +699,16 @@ class PertData:
                     pin_memory=pin_memory,
                 )
         self.dataloader = loaders
+        self.dataloader_settings = {
+            "batch_size": batch_size,
+            "test_batch_size": test_batch_size,
+            "world_size": world_size,
+            "rank": rank,
+            "num_workers": num_workers,
+            "batching": batching,
+            "cells_per_group": cells_per_group,
+            "block_size": block_size,
+        }
         return loaders
 
     # ---------------------------------------------------------------------------------- graphs
