@@ -10,6 +10,7 @@ import random
 import signal
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -34,6 +35,16 @@ from gears.model.network import pad_rows, use_cell_rows
 
 # loss_on(batch, CELL_ROWS): one row per cell instead of one per distinct perturbation.
 CELL_ROWS = "cells"
+
+
+class RepeatRows(NamedTuple):
+    """loss_on layout: distinct row u repeated repeats[u] times, every row standing for `count`
+    cells (counts [8, 4, 4] -> 4 rows of 4 cells): uniform rows take the native batch-norm
+    kernel. Exact: copies of a row have equal outputs, each cell reads its first copy, and the
+    gradient summed over the copies is the per-cell batch's."""
+
+    count: float
+    repeats: torch.Tensor  # [U] long, host
 
 
 def _plain(value):
@@ -270,6 +281,12 @@ class Trainer:
         rows, counts, to_cells = batch.uniq_pert_index, row_counts, batch.inverse
         if row_counts is None:
             counts = batch.counts
+        elif isinstance(row_counts, RepeatRows):
+            repeats = row_counts.repeats.to(rows.device, non_blocking=True)
+            n_rows = int(row_counts.repeats.sum())  # host tensor: no device sync
+            rows = rows.repeat_interleave(repeats, dim=0, output_size=n_rows)
+            counts = row_counts.count
+            to_cells = (torch.cumsum(repeats, 0) - repeats)[batch.inverse]  # first copies
         elif row_counts == CELL_ROWS:
             rows, counts, to_cells = rows[batch.inverse], 1.0, None
         if self.cfg.compile:  # a few row counts -> a few compiled graphs, not one per batch
@@ -300,13 +317,22 @@ class Trainer:
             uncertainty_reg=self.model_cfg.uncertainty_reg,
         )
 
-    def row_layout(self, counts: torch.Tensor) -> float | str | None:
+    def row_layout(self, counts: torch.Tensor) -> float | str | RepeatRows | None:
         """loss_on's row_counts for a batch with these host counts [U]: the common count when
-        equal (native batch-norm), CELL_ROWS when deduplication removes few rows (unless
-        compiled: padded distinct rows keep the compiled shapes few), else None (weighted)."""
+        equal (native batch-norm); unless compiled (padded distinct rows keep the compiled
+        shapes few): RepeatRows when counts share a divisor g > 1 that makes at most one more
+        row (grouped batches: [8, 4, 4, ...] -> uniform rows of 4; the weighted path costs
+        more than one row), CELL_ROWS when deduplication removes few rows; else None
+        (weighted)."""
         if bool((counts == counts[0]).all()):
             return float(counts[0])
-        if not self.cfg.compile and use_cell_rows(counts.shape[0], int(counts.sum())):
+        if self.cfg.compile:
+            return None
+        whole = counts.long()
+        g = int(np.gcd.reduce(whole.numpy())) if bool((whole == counts).all()) else 1
+        if g > 1 and int(whole.sum()) // g <= counts.shape[0] + 1:
+            return RepeatRows(float(g), whole // g)
+        if use_cell_rows(counts.shape[0], int(counts.sum())):
             return CELL_ROWS
         return None
 

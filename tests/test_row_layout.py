@@ -14,7 +14,7 @@ from gears.api import GEARS
 from gears.config import TrainConfig
 from gears.data.pertdata import PertData
 from gears.distributed import DistEnv
-from gears.engine import CELL_ROWS, Trainer, seed_everything
+from gears.engine import CELL_ROWS, RepeatRows, Trainer, seed_everything
 from gears.model.network import pad_rows, row_bucket, use_cell_rows
 
 
@@ -75,6 +75,28 @@ def test_engine_picks_layout_from_host_counts(tiny):
     assert trainer.row_layout(torch.tensor([5.0, 3.0, 1.0])) is None  # 3 rows for 9 cells
     compiled = _trainer(tiny, compile=True)
     assert compiled.row_layout(torch.tensor([2.0] + [1.0] * 13)) is None  # padded instead
+
+
+def test_engine_repeats_rows_when_counts_share_a_divisor(tiny):
+    trainer = _trainer(tiny)
+    layout = trainer.row_layout(torch.tensor([8.0, 4.0, 4.0, 4.0]))  # 5 rows of 4 cells
+    assert isinstance(layout, RepeatRows) and layout.count == 4.0
+    assert layout.repeats.tolist() == [2, 1, 1, 1]
+    assert trainer.row_layout(torch.tensor([12.0, 4.0, 4.0])) is None  # 5 rows > 3 + 1
+    assert trainer.row_layout(torch.tensor([8.0, 4.0, 4.0, 1.0])) is None  # divisor 1
+    compiled = _trainer(tiny, compile=True)
+    assert compiled.row_layout(torch.tensor([8.0, 4.0, 4.0, 4.0])) is None
+
+
+def test_repeated_rows_equal_deduplicated_rows(tiny):
+    """Rows repeated to a common count (native batch-norm) = distinct rows weighted by counts:
+    the same loss, gradients and running statistics (float32 rounding)."""
+    batch = _batch(tiny, 12, [1, 1, 3] + [1] * 9)  # counts 2, 2, 4, 2, ...: 13 rows of 2
+    assert sorted(batch.counts.tolist()) == [2.0] * 11 + [4.0]
+    layout = _trainer(tiny).row_layout(batch.counts)
+    assert isinstance(layout, RepeatRows) and layout.count == 2.0
+    a, b = _trainer(tiny), _trainer(tiny)
+    _assert_same(_loss_grads_buffers(a, batch, layout), _loss_grads_buffers(b, batch, None))
 
 
 def test_cell_rows_equal_deduplicated_rows(tiny):
