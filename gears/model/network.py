@@ -319,7 +319,7 @@ class _HalfGeneDecodeFn(torch.autograd.Function):
     `out` [U, G, H] and fp32 w1 [G, H] -> fp32 [U, G]: what `(out * w1).sum(-1)` computes (one
     fp32 copy of out, exact products, fp32 sums), with a backward that writes d_out in out's
     dtype directly and reuses the fp32 copy for d_w1 (autograd's mixed-dtype mul converts out
-    to fp32 twice more and d_out once: ~0.5 ms a bf16 step at U=8, G=1,000)."""
+    to fp32 twice more and d_out once: 1.28 vs 1.43 ms fwd + bwd at U=8, G=1,000, H=64)."""
 
     @staticmethod
     def forward(ctx, out, w1):
