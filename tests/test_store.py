@@ -356,8 +356,13 @@ def test_two_ranks_share_one_copy_of_the_store(tmp_path):
             proc.wait(timeout=60)
     (before0, after0, total0), (before1, after1, total1) = reports
     assert float(total0) == float(total1) > 0
-    # Each rank's own memory grows by far less than the matrix: the pages are shared.
-    assert int(after1) - int(before1) < matrix_kb // 4, (reports, matrix_kb)
+    # The first rank, alone, holds the matrix as its private (clean) pages on top of a fixed
+    # overhead (torch's first ops, temporaries: ~16-24 MB, whatever the matrix size); the second
+    # maps the same pages, so it grows by that overhead only, not by another copy. Compared rank
+    # with rank, so the fixed overhead cancels instead of eating into a threshold.
+    grew0, grew1 = int(after0) - int(before0), int(after1) - int(before1)
+    assert grew0 > matrix_kb * 0.9, (reports, matrix_kb)
+    assert grew1 < grew0 - matrix_kb // 2, (reports, matrix_kb)
     # The matrix counts once in the node: PSS splits the shared file pages between the ranks,
     # and neither rank holds a private page of it.
     for s in smaps:
