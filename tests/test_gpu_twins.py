@@ -116,11 +116,13 @@ def test_tf32_only_on_cuda():
         torch.backends.cudnn.allow_tf32 = before[1]
 
 
-def test_fused_adam_on_cuda_foreach_elsewhere():
+def test_fused_adam_on_cuda_and_cpu_foreach_elsewhere():
     assert optimizer_kernel("adam", torch.device("cuda", 1)) == {"fused": True, "foreach": None}
     assert optimizer_kernel("adamw", torch.device("cuda", 0))["fused"] is True
-    assert optimizer_kernel("adam", torch.device("cpu")) == {"fused": None, "foreach": True}
+    assert optimizer_kernel("adam", torch.device("cpu")) == {"fused": True, "foreach": None}
+    assert optimizer_kernel("adam", torch.device("meta")) == {"fused": None, "foreach": True}
     assert optimizer_kernel("sgd", torch.device("cuda", 0)) == {"fused": None, "foreach": True}
+    assert optimizer_kernel("sgd", torch.device("cpu")) == {"fused": None, "foreach": True}
 
 
 # ------------------------------------------------------------------------- resume (1, 14)
@@ -146,11 +148,11 @@ def _trainer(pd_: PertData, out_dir: Path, device: str = "cpu", **kw) -> Trainer
 
 def _as_written_on_cuda(src: Path, dst: Path, fused: bool = True) -> None:
     """`src` as a CUDA process would have written it: every storage tagged cuda:0, the CUDA RNG
-    states of two GPUs (the older format) and fused Adam's parameter groups."""
+    states of two GPUs (the older format) and fused (or foreach) Adam's parameter groups."""
     state = ckpt.load(src)
     state["rng"]["cuda"] = [torch.get_rng_state(), torch.get_rng_state()]
     for group in state["optimizer"]["param_groups"]:
-        group.update(fused=fused, foreach=None)
+        group.update(fused=True if fused else None, foreach=None if fused else True)
     dst.parent.mkdir(parents=True, exist_ok=True)
     torch.save(state, dst)
     with zipfile.ZipFile(dst) as z:
@@ -164,11 +166,14 @@ def _as_written_on_cuda(src: Path, dst: Path, fused: bool = True) -> None:
             z.writestr(name, data)
 
 
-def test_checkpoint_written_on_cuda_resumes_on_cpu(tiny_run, tmp_path):
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-writer", "foreach-writer"])
+def test_checkpoint_written_on_cuda_resumes_on_cpu(tiny_run, tmp_path, fused):
+    """Also from a foreach writer (an older checkpoint): the resumed run uses this device's
+    kernel, with Adam's step counters where it wants them."""
     pd_, run = tiny_run
     src = ckpt.list_checkpoints(run / "checkpoints")[-1]
     foreign = tmp_path / "checkpoints" / src.name
-    _as_written_on_cuda(src, foreign)
+    _as_written_on_cuda(src, foreign, fused=fused)
     if not torch.cuda.is_available():  # the file really is a CUDA file: plain loading fails
         with pytest.raises(RuntimeError, match="CUDA"):
             torch.load(foreign, weights_only=False)
@@ -180,7 +185,7 @@ def test_checkpoint_written_on_cuda_resumes_on_cpu(tiny_run, tmp_path):
         assert torch.equal(trainer.net.state_dict()[k], v), k
     assert torch.equal(torch.get_rng_state(), want["rng"]["torch"])
     for group in trainer.opt.param_groups:  # this device's kernel, not the writer's
-        assert (group["fused"], group["foreach"]) == (None, True)
+        assert (group["fused"], group["foreach"]) == (True, None)
     steps = [s["step"] for s in trainer.opt.state.values()]
     assert steps and all(s.device.type == "cpu" for s in steps)
     trainer.fit({"train_loader": ListLoader(group_batches(pd_, 8, 4, 2))}, progress=False)

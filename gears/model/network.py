@@ -140,24 +140,14 @@ class WeightedBatchNorm1d(nn.BatchNorm1d):
     ) -> torch.Tensor:
         """x [N, C]; weight [N] row multiplicities (0 excludes a row), a scalar, or None (= 1).
         blocks=U: the caller guarantees that x's rows are U equal consecutive blocks whose rows
-        share one weight (GEARSNet's cell-gene rows); for fp32/float64 x the statistics are then
-        combined from per-block native kernels (_BlockWeightedBatchNormFn)."""
+        share one weight (GEARSNet's cell-gene rows); the statistics are then combined from
+        per-block native kernels (_BlockWeightedBatchNormFn)."""
         if not self.training:
             return super().forward(x)
         distributed = self.sync and dist.is_available() and dist.is_initialized()
         tensor_weight = torch.is_tensor(weight) and weight.dim() == 1
-        # Full-precision inputs only for now: in bf16 the block path is as accurate per step
-        # (gradients within 0.1-0.3% of the fp32-copy path's error vs fp32), but its other
-        # rounding moves tests/test_engine.py::test_bf16_trains_close_to_fp32, a 3-epoch tiny run
-        # whose bf16-vs-fp32 gap spans -17%..+23% over seeds with either path, past its 15%.
-        full_precision = _stat_dtype(x) == x.dtype
-        if (
-            tensor_weight
-            and not distributed
-            and blocks is not None
-            and blocks > 1
-            and full_precision
-        ):
+        # bf16/fp16 x too: the native kernels accumulate the block statistics in fp32.
+        if tensor_weight and not distributed and blocks is not None and blocks > 1:
             stat_dtype = _stat_dtype(x)
             block_w = weight.reshape(blocks, -1)[:, 0].to(stat_dtype)  # [U], no host sync
             total = weight.to(stat_dtype).sum()
