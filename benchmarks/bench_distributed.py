@@ -134,15 +134,9 @@ def worker(
     args: argparse.Namespace,
 ) -> None:
     """One rank of a `train_distributed.py --nproc N`-style launch."""
-    from gears.distributed import cleanup, init_distributed, release
+    from gears.distributed import cleanup, init_distributed, release, set_local_rank_env
 
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    set_local_rank_env(rank, world, port)
     from gears.runtime import set_threads
 
     set_threads(threads)

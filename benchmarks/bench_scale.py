@@ -316,19 +316,13 @@ def child_train(args, work: Path) -> dict | None:
 
     from gears.api import GEARS
     from gears.config import TrainConfig
-    from gears.distributed import DistEnv, barrier, cleanup, init_distributed
+    from gears.distributed import DistEnv, barrier, cleanup, init_distributed, set_local_rank_env
     from gears.engine import Trainer
 
     torch.set_num_threads(args.threads)
     world = args.nproc if args.store_mode == "mmap" else 1
     if world > 1:
-        os.environ.update(
-            RANK=str(args.rank),
-            LOCAL_RANK=str(args.rank),
-            WORLD_SIZE=str(world),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(args.port),
-        )
+        set_local_rank_env(args.rank, world, args.port)
         env = init_distributed("cpu", "gloo", timeout_s=1800)
     else:
         env = DistEnv(device=torch.device("cpu"))

@@ -82,6 +82,18 @@ def in_srun_task() -> bool:
     return "SLURM_PROCID" in os.environ and step is not None and step not in _NON_TASK_STEPS
 
 
+def set_local_rank_env(rank: int, world_size: int, port: int, addr: str = "127.0.0.1") -> None:
+    """The variables torchrun sets for local rank `rank` of a one-node group of `world_size`
+    (used by `train_distributed.py --nproc N`'s mp.spawn workers, the tests and the benchmarks)."""
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        MASTER_ADDR=addr,
+        MASTER_PORT=str(port),
+    )
+
+
 def slurm_to_env() -> None:
     """Under `srun` without torchrun, derive RANK/WORLD_SIZE/MASTER_ADDR from Slurm's variables."""
     if "RANK" in os.environ or not in_srun_task():

@@ -20,6 +20,7 @@ from gears.distributed import (
     init_distributed,
     rendezvous_store,
     resolve_device,
+    set_local_rank_env,
     slurm_to_env,
     visible_gpus,
 )
@@ -74,13 +75,7 @@ def worker_main(cfg: Config) -> dict | None:
 
 
 def _spawned(local_rank: int, nproc: int, cfg: Config, addr: str, port: int) -> None:
-    os.environ.update(
-        RANK=str(local_rank),
-        LOCAL_RANK=str(local_rank),
-        WORLD_SIZE=str(nproc),
-        MASTER_ADDR=addr,
-        MASTER_PORT=str(port),
-    )
+    set_local_rank_env(local_rank, nproc, port, addr)
     from gears.run import guarded
 
     guarded(lambda: worker_main(cfg))

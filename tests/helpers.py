@@ -45,16 +45,10 @@ def join_local_gloo(rank: int, world: int, port: int):
 
     import torch
 
-    from gears.distributed import init_distributed
+    from gears.distributed import init_distributed, set_local_rank_env
 
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        OMP_NUM_THREADS="1",
-    )
+    set_local_rank_env(rank, world, port)
+    os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     return init_distributed("cpu", "gloo", timeout_s=120)
 
