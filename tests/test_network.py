@@ -92,6 +92,17 @@ def _assert_same_state(a: nn.Module, b: nn.Module, tol: float = 1e-5) -> None:
 
 
 # ----------------------------------------------------------------------------- WeightedBatchNorm1d
+def _assert_matches_batchnorm(wbn, ref, y, y_ref, x, x_ref) -> None:
+    """Outputs, input and affine gradients and running statistics of a weighted batch-norm equal
+    those of nn.BatchNorm1d on the per-cell rows."""
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(wbn.weight.grad, ref.weight.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(wbn.bias.grad, ref.bias.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(wbn.running_mean, ref.running_mean, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(wbn.running_var, ref.running_var, rtol=1e-5, atol=1e-6)
+
+
 def _bn_pair(c: int = 5, seed: int = 0) -> tuple[WeightedBatchNorm1d, nn.BatchNorm1d]:
     torch.manual_seed(seed)
     wbn = WeightedBatchNorm1d(c).double()
@@ -121,12 +132,7 @@ def test_weighted_bn_equals_batchnorm_on_repeated_rows(weights):
     yr = ref(xr[inverse])  # the per-cell batch; autograd sums gradients over the repeats
     ((yr - target) ** 3).sum().backward()
 
-    torch.testing.assert_close(yw[inverse], yr, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(xw.grad, xr.grad, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(wbn.weight.grad, ref.weight.grad, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(wbn.bias.grad, ref.bias.grad, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(wbn.running_mean, ref.running_mean, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(wbn.running_var, ref.running_var, rtol=1e-5, atol=1e-6)
+    _assert_matches_batchnorm(wbn, ref, yw[inverse], yr, xw, xr)
     assert int(wbn.num_batches_tracked) == 1
 
 
@@ -255,12 +261,7 @@ def test_block_weighted_bn_equals_batchnorm_on_repeated_blocks(block_weights):
     yr = ref(xr[cells])
     ((yr - target) ** 3).sum().backward()
 
-    torch.testing.assert_close(yw[cells], yr, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(xw.grad, xr.grad, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(wbn.weight.grad, ref.weight.grad, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(wbn.bias.grad, ref.bias.grad, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(wbn.running_mean, ref.running_mean, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(wbn.running_var, ref.running_var, rtol=1e-5, atol=1e-6)
+    _assert_matches_batchnorm(wbn, ref, yw[cells], yr, xw, xr)
 
 
 @pytest.mark.parametrize("even", [True, False])
