@@ -54,7 +54,9 @@ def test_fp16_autocast_at_5000_genes_is_finite_and_matches_fp32():
     target = torch.randn(25, G, generator=gen)
 
     seen = {}
-    hook = net16.bn_pert_base.register_forward_hook(
+    # The first batch-norm over the [25 * G, 2H] cell-gene rows (bn_pert_base normalises its
+    # cell-gene sum from [G, H] and [25, H] terms without forming the rows).
+    hook = net16.recovery_w.norms[0].register_forward_hook(
         lambda mod, args, out: seen.update(x=args[0].detach(), w=args[1])
     )
     out32, loss32 = _step(net32, rows, counts, target, None)
@@ -79,11 +81,11 @@ def test_fp16_autocast_at_5000_genes_is_finite_and_matches_fp32():
     for name in ("pert_emb", "gene_emb", "emb_pos"):
         assert getattr(net16, name).weight.grad.abs().max() > 0, name
 
-    # The old statistics, by hand: bn_pert_base's input [25 * G, H] in fp16 with its row
+    # The old statistics, by hand: that batch-norm's input [25 * G, 2H] in fp16 with its row
     # weights, summed unnormalised in an fp16 matmul (what autocast did to `w @ x`): the sums
     # reach ~32 * G * mean(x^2) > 65,504 and overflow; the normalised fp32 sum stays finite.
     x, w = seen["x"], seen["w"]
-    assert x.dtype == torch.float16 and x.shape == (25 * G, H)
+    assert x.dtype == torch.float16 and x.shape == (25 * G, 2 * H)
     with torch.autocast("cpu", dtype=torch.float16):
         old_second_moment = w @ (x.float() * x.float())
     assert not torch.isfinite(old_second_moment).all()

@@ -313,6 +313,90 @@ def test_block_weighted_bn_half_precision_statistics_and_gradient(dtype, even):
     torch.testing.assert_close(bn.bias.grad.double(), dy.double().sum(0), rtol=1e-5, atol=0)
 
 
+def _outer_sum_case(seed: int = 8, genes: int = 7, rows: int = 4, c: int = 5):
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randn(genes, c, generator=gen, dtype=torch.float64) * 2 + 1
+    b = torch.randn(rows, c, generator=gen, dtype=torch.float64) * 0.5 - 1
+    return a, b, gen
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("weight", [[3, 1, 2, 4], [3, 0, 2, 0], 2.0, None])
+def test_outer_sum_relu_equals_batchnorm_on_the_rows(weight, mode):
+    """outer_sum_relu(a, b, w) (statistics from a [G, C] and b [U, C] alone) equals
+    relu(nn.BatchNorm1d) on the per-cell batch of rows a[g] + b[u], row u's genes repeated
+    w_u times (a zero weight takes no part): output, gradients to a, b, gamma and beta, and
+    the running statistics; in eval mode, the running statistics normalise."""
+    wbn, ref = _bn_pair()
+    wbn.train(mode == "train")
+    ref.train(mode == "train")
+    a, b, gen = _outer_sum_case()
+    U, G = b.shape[0], a.shape[0]
+    per_row = [1] * U if weight is None else [weight] * U if isinstance(weight, float) else weight
+    cells = torch.cat([torch.full((int(n),), u) for u, n in enumerate(per_row)])
+    # Per-cell row index into the [U*G] rows: every gene of each cell's row u.
+    rows = (cells[:, None] * G + torch.arange(G)).reshape(-1)
+    target = torch.randn(len(rows), 5, generator=gen, dtype=torch.float64)
+    w = torch.tensor(weight, dtype=torch.float64) if isinstance(weight, list) else weight
+
+    aw, bw = a.clone().requires_grad_(), b.clone().requires_grad_()
+    yw = wbn.outer_sum_relu(aw, bw, w).reshape(U * G, -1)[rows]
+    ((yw - target) ** 3).sum().backward()
+    ar, br = a.clone().requires_grad_(), b.clone().requires_grad_()
+    yr = torch.relu(ref((ar.unsqueeze(0) + br.unsqueeze(1)).reshape(U * G, -1)[rows]))
+    ((yr - target) ** 3).sum().backward()
+
+    torch.testing.assert_close(yw, yr, rtol=1e-5, atol=1e-6)
+    for name, got, want in [
+        ("a", aw.grad, ar.grad),
+        ("b", bw.grad, br.grad),
+        ("gamma", wbn.weight.grad, ref.weight.grad),
+        ("beta", wbn.bias.grad, ref.bias.grad),
+        ("running_mean", wbn.running_mean, ref.running_mean),
+        ("running_var", wbn.running_var, ref.running_var),
+    ]:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
+    assert int(wbn.num_batches_tracked) == int(ref.num_batches_tracked)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_outer_sum_relu_under_autocast_has_fp32_statistics(dtype):
+    """Under autocast the result is in the autocast dtype, the statistics are the float64 ones
+    of the inputs within fp32 rounding (never summed in half precision), and the gradients to
+    a and b are close to float64's."""
+    G, U, c = 3000, 16, 4
+    a, b, gen = _outer_sum_case(seed=9, genes=G, rows=U, c=c)
+    a, b = (a * 3).float(), b.to(dtype)  # fused embeddings arrive in the autocast dtype
+    w = torch.randint(1, 6, (U,), generator=gen).float()
+    bn = WeightedBatchNorm1d(c, momentum=1.0)
+    aw, bw = a.clone().requires_grad_(), b.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=dtype):
+        y = bn.outer_sum_relu(aw, bw, w)
+    assert y.dtype == dtype and y.shape == (U, G, c)
+    dy = torch.randn(U, G, c, generator=gen).to(dtype)
+    y.backward(dy)
+    assert aw.grad.dtype == torch.float32 and bw.grad.dtype == dtype
+
+    ad, bd = a.double().requires_grad_(), b.double().requires_grad_()
+    x = (ad.unsqueeze(0) + bd.unsqueeze(1)).reshape(U * G, c)
+    frac = (w.double() / w.double().sum()).repeat_interleave(G) / G
+    mean = frac @ x
+    var = frac @ (x - mean) ** 2
+    yd = torch.relu((x - mean) / torch.sqrt(var + bn.eps)).reshape(U, G, c)
+    yd.backward(dy.double())
+    n = w.double().sum() * G
+    torch.testing.assert_close(bn.running_mean.double(), mean.detach(), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(
+        bn.running_var.double(), var.detach() * n / (n - 1), rtol=1e-5, atol=0
+    )
+    assert (y.double() - yd).abs().max() < 1e-2 * yd.abs().max()  # the output's own rounding
+    # a's gradient: the mask of the once-rounded sum and fp32 sums (measured ~1e-6; adding a
+    # and b rounded to bf16 first gave ~1.2%); b's: its sums over genes rounded to the autocast
+    # dtype (measured 0.2% in bf16).
+    assert (aw.grad.double() - ad.grad).norm() < 1e-3 * ad.grad.norm()
+    assert (bw.grad.double() - bd.grad).norm() < 1e-2 * bd.grad.norm()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_gene_decode_equals_autograd_expression(dtype):
     """gene_decode's half-precision Function gives what autograd gives for (out * w1).sum(-1):
