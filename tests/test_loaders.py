@@ -331,6 +331,51 @@ def test_grouped_rank_union_is_the_single_process_batch(world):
         assert len(seen) == len(set(seen))
 
 
+def uneven_cond(seed: int = 3) -> np.ndarray:
+    """30 conditions of 5-40 examples, positions shuffled (remainder groups of 1-3 cells)."""
+    rng = np.random.default_rng(seed)
+    return rng.permutation(np.repeat(np.arange(30), rng.integers(5, 41, 30)))
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_grouped_steps_hold_groups_of_one_size(world):
+    """A condition's remainder group (< M cells) shares its step with groups of its own size,
+    so a batch's conditions carry equal cell counts; only the leftovers of each size (fewer
+    than a step) mix, in at most (number of sizes - 1) steps. Every example at most once, the
+    ranks' batches together are the single process's, and len() counts the steps."""
+    cond = uneven_cond()
+    m, k = 4, 3
+    single = GroupedBatchSampler(cond, m, k * world, seed=2)
+    ranks = [
+        GroupedBatchSampler(cond, m, k, seed=2, world_size=world, rank=r) for r in range(world)
+    ]
+    for epoch in (0, 1):
+        for s in (single, *ranks):
+            s.set_epoch(epoch)
+        steps = single._steps()
+        sizes = {len(g) for step in steps for g in step}
+        assert sizes == {1, 2, 3, 4}  # the data has remainders of every size
+        mixed = [step for step in steps if len({len(g) for g in step}) > 1]
+        assert len(mixed) <= len(sizes) - 1
+        assert len(steps) == len(single) == sum(-(-np.bincount(cond) // m)) // (k * world)
+        ref = list(single)
+        per_rank = [list(r) for r in ranks]
+        for step, batch in enumerate(ref):
+            assert [i for p in per_rank for i in p[step]] == batch
+        seen = [i for b in ref for i in b]
+        assert len(seen) == len(set(seen))
+        # Uniform steps: every condition in the batch has the same number of cells (or a
+        # multiple, when two groups of one condition meet).
+        uniform = 0
+        for step, batch in zip(steps, ref):
+            if len({len(g) for g in step}) == 1:
+                counts = np.bincount(cond[batch])
+                counts = counts[counts > 0]
+                assert (counts % len(step[0]) == 0).all()
+                uniform += 1
+        assert uniform >= len(ref) - (len(sizes) - 1)
+
+
 def test_grouped_loader_through_pertdata(pdata):
     loaders = pdata.get_dataloader_distributed(8, batching="grouped", cells_per_group=4)
     loader = loaders["train_loader"]

@@ -268,10 +268,14 @@ class BlockShuffleSampler(Sampler):
 class GroupedBatchSampler(Sampler):
     """Batches of K conditions x M cells (`train.batching: grouped`), sharded by rank.
 
-    Each epoch (seeded by seed and epoch only) shuffles every condition's examples, cuts them into
-    groups of M, shuffles the groups and deals K * world_size groups per global step; rank r takes
-    groups [r*K, (r+1)*K) of each step, so the ranks' step-k batches together are the
-    single-process step-k batch. Incomplete final steps are dropped.
+    Each epoch (seeded by seed and epoch only) shuffles every condition's examples and cuts them
+    into groups of M; a condition's last group holds the remainder (fewer than M cells). Global
+    steps take K * world_size groups of one size: the full groups, and the remainder groups
+    of each size, are dealt separately, so a step's conditions all carry the same number of
+    cells (the network's batch-norms then take the native kernel instead of the weighted one).
+    The groups left over by each size (fewer than a step) make mixed steps; the steps are
+    shuffled. Rank r takes groups [r*K, (r+1)*K) of each step, so the ranks' step-k batches
+    together are the single-process step-k batch. An incomplete final step is dropped.
     """
 
     def __init__(
@@ -291,7 +295,8 @@ class GroupedBatchSampler(Sampler):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def _groups(self) -> list[np.ndarray]:
+    def _steps(self) -> list[list[np.ndarray]]:
+        """This epoch's global steps, K * world_size groups each (groups of equal size first)."""
         rng = np.random.default_rng([self.seed, self.epoch])
         order = rng.permutation(len(self.cond))
         # Stable sort by condition of a random permutation = every condition's examples shuffled.
@@ -300,15 +305,24 @@ class GroupedBatchSampler(Sampler):
         groups = []
         for block in np.split(shuffled, bounds):
             groups.extend(np.split(block, np.arange(self.m, len(block), self.m)))
-        return [groups[i] for i in rng.permutation(len(groups))]
+        groups = [groups[i] for i in rng.permutation(len(groups))]
+        per_step = self.k * self.world_size
+        by_size: dict[int, list[np.ndarray]] = {}
+        for group in groups:
+            by_size.setdefault(len(group), []).append(group)
+        steps, rest = [], []
+        for size in sorted(by_size):
+            same = by_size[size]
+            whole = len(same) - len(same) % per_step
+            steps += [same[i : i + per_step] for i in range(0, whole, per_step)]
+            rest += same[whole:]
+        rest = [rest[i] for i in rng.permutation(len(rest))]
+        steps += [rest[i : i + per_step] for i in range(0, len(rest) - per_step + 1, per_step)]
+        return [steps[i] for i in rng.permutation(len(steps))]
 
     def __iter__(self) -> Iterator[list[int]]:
-        groups = self._groups()
-        per_step = self.k * self.world_size
-        for step in range(len(groups) // per_step):
-            mine = groups[
-                step * per_step + self.rank * self.k : step * per_step + (self.rank + 1) * self.k
-            ]
+        for step in self._steps():
+            mine = step[self.rank * self.k : (self.rank + 1) * self.k]
             yield np.concatenate(mine).tolist()
 
     def __len__(self) -> int:
