@@ -14,6 +14,7 @@ from gears.model.network import (
     WeightedBatchNorm1d,
     _BlockWeightedBatchNormFn,
     all_rows_max_norm,
+    csr_to_padded_rows,
     gene_decode,
 )
 
@@ -542,6 +543,45 @@ def test_coexpression_graph_reaches_every_row(mode):
     with torch.no_grad():
         diff = (net_a(UNIQ, COUNTS) - net_b(UNIQ, COUNTS)).abs().amax(1)
     assert (diff > 1e-6).all(), diff
+
+
+def test_gathered_go_rows_equal_sgconv_over_every_perturbation():
+    """pert_embeddings with one GO layer gathers each perturbation's neighbours (padded rows of
+    the GO matrix): the same embeddings, gradients and network output as GEARS's SGConv over
+    all perturbations, indexed; a net with two GO layers takes the full product."""
+    net = _make_net()
+    assert net.go_rows_gathered
+    full = copy.deepcopy(net)
+    full.go_rows_gathered = False
+    index = torch.tensor([[3, 0], [9, 9], [5, 1]])
+    _assert_close(net.pert_embeddings(index), full.pert_embeddings(index), tol=1e-12)
+    loss_rows = _cell_loss(net(UNIQ, COUNTS), INVERSE, gathered=True)
+    loss_full = _cell_loss(full(UNIQ, COUNTS), INVERSE, gathered=True)
+    _assert_close(loss_rows, loss_full, tol=1e-12)
+    loss_rows.backward()
+    loss_full.backward()
+    _assert_same_state(net, full, tol=1e-9)
+    go = _graph(P, 40, torch.Generator().manual_seed(100))
+    co = _graph(G, 60, torch.Generator().manual_seed(200))
+    assert not GEARSNet(G, P, *go, *co, hidden_size=H, num_go_gnn_layers=2).go_rows_gathered
+
+
+def test_csr_to_padded_rows():
+    """Rows as padded neighbour lists in CSR order, padding weight 0; None when a few long rows
+    would make the padded storage more than 4x the entries."""
+    dense = torch.tensor([[0.0, 2, 0, 3], [0, 0, 0, 0], [1, 0, 0, 0], [0, 4, 5, 6]])
+    csr = dense.to_sparse_csr()
+    index, weight = csr_to_padded_rows(csr.crow_indices(), csr.col_indices(), csr.values())
+    assert index.shape == weight.shape == (4, 3)
+    torch.testing.assert_close(weight, torch.tensor([[2.0, 3, 0], [0, 0, 0], [1, 0, 0], [4, 5, 6]]))
+    assert index[0, :2].tolist() == [1, 3] and index[3].tolist() == [1, 2, 3]
+    x = torch.randn(4, 5)
+    torch.testing.assert_close((weight.unsqueeze(-1) * x[index]).sum(1), dense @ x)
+    hub = torch.zeros(40, 40)
+    hub[0] = 1.0  # one row of 40, the others of 1: 40 x 40 slots for 79 entries
+    hub[1:, 0] = 1.0
+    csr = hub.to_sparse_csr()
+    assert csr_to_padded_rows(csr.crow_indices(), csr.col_indices(), csr.values()) is None
 
 
 def test_go_graph_changes_perturbed_rows_only_in_eval():

@@ -454,6 +454,27 @@ def gcn_normalised_csr(
     return csr.crow_indices().clone(), csr.col_indices().clone(), csr.values().clone()
 
 
+def csr_to_padded_rows(
+    crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor, max_padding: float = 4.0
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A CSR matrix's rows as padded neighbour lists -> (index [N, K], weight [N, K]), K the
+    longest row, entries in CSR order, padding index 0 with weight 0; row i of A @ x is then
+    (weight[i, :, None] * x[index[i]]).sum(0). None when padding would multiply the storage by
+    more than max_padding (a few rows much longer than the rest)."""
+    n = crow.numel() - 1
+    lengths = crow.diff()
+    k = int(lengths.max()) if n > 0 else 0
+    if k == 0 or n * k > max_padding * max(col.numel(), n):
+        return None
+    rows = torch.repeat_interleave(torch.arange(n), lengths)
+    slots = torch.arange(col.numel()) - crow[:-1].repeat_interleave(lengths)
+    index = torch.zeros(n, k, dtype=torch.long)
+    weight = torch.zeros(n, k, dtype=values.dtype)
+    index[rows, slots] = col
+    weight[rows, slots] = values
+    return index, weight
+
+
 class FixedGraphConv(nn.Module):
     """SGConv(K=1) over a fixed graph: the propagation matrix is normalised once (by the owner,
     into buffers) and applied as a sparse product, then the Linear. `lin` keeps PyG SGConv's
@@ -541,6 +562,18 @@ class GEARSNet(nn.Module):
                 self._register_graph(f"{name}_adj_crow{suffix}", crow)
                 self._register_graph(f"{name}_adj_col{suffix}", col)
                 self._register_graph(f"{name}_adj_values{suffix}", values)
+        # With one GO layer, a batch needs the smoothed embeddings of its own perturbations
+        # only: the GO matrix's rows as padded neighbour lists gather them (U * P * K * H work
+        # instead of the [num_perts, H] product and Linear each step; see pert_embeddings).
+        padded = (
+            csr_to_padded_rows(self.go_adj_crow, self.go_adj_col, self.go_adj_values)
+            if num_go_gnn_layers == 1
+            else None
+        )
+        self.go_rows_gathered = padded is not None
+        if padded is not None:
+            self._register_graph("go_nbr_index", padded[0])
+            self._register_graph("go_nbr_weight", padded[1])
 
         # Looked up whole with rows renormalised to norm <= 1 (GEARS: max_norm=True).
         self.gene_emb = nn.Embedding(G, H)
@@ -586,22 +619,33 @@ class GEARSNet(nn.Module):
             if isinstance(m, WeightedBatchNorm1d):
                 m.sync = enabled
 
-    def gene_embeddings(self, n_cells) -> tuple[torch.Tensor, torch.Tensor]:
-        """Cell-independent parts: base gene embedding [G, H] and GO-smoothed perts [P, H]."""
+    def gene_embeddings(self, n_cells) -> torch.Tensor:
+        """Cell-independent part: the base gene embedding [G, H]."""
         emb = torch.relu(self.bn_emb(all_rows_max_norm(self.gene_emb), n_cells))
         pos = all_rows_max_norm(self.emb_pos)
-        co_graph, go_graph = self._graph("co"), self._graph("go")
+        co_graph = self._graph("co")
         for i, layer in enumerate(self.layers_emb_pos):
             pos = layer(pos, co_graph)
             if i < len(self.layers_emb_pos) - 1:
                 pos = torch.relu(pos)
-        base = self.emb_trans_v2(emb + 0.2 * pos, n_cells)
-        pert = all_rows_max_norm(self.pert_emb)
+        return self.emb_trans_v2(emb + 0.2 * pos, n_cells)
+
+    def pert_embeddings(self, index: torch.Tensor) -> torch.Tensor:
+        """GO-smoothed embeddings of the perturbations `index` (any shape, values in
+        [0, num_perts)) -> [*index.shape, H]. With one GO layer: each one's neighbours gathered
+        and weighted (row i of the GO matrix times the embeddings), then the layer's Linear;
+        else (or for a GO graph with a few very long rows) every perturbation's SGConv output,
+        indexed. Both equal GEARS's SGConv over all perturbations, looked up."""
+        emb = all_rows_max_norm(self.pert_emb)  # every row renormalised, as GEARS does
+        if self.go_rows_gathered:
+            weight = self.go_nbr_weight[index].unsqueeze(-1)  # [..., K, 1]
+            return self.sim_layers[0].lin((emb[self.go_nbr_index[index]] * weight).sum(-2))
+        pert, go_graph = emb, self._graph("go")
         for i, layer in enumerate(self.sim_layers):
             pert = layer(pert, go_graph)
             if i < len(self.sim_layers) - 1:
                 pert = torch.relu(pert)
-        return base, pert
+        return pert[index]
 
     def forward(self, pert_index: torch.Tensor, counts: torch.Tensor | float | None = None):
         """pert_index [U, P] (-1 padded); counts [U] cells per row, or one number for every row
@@ -615,12 +659,13 @@ class GEARSNet(nn.Module):
         # instead of averaging out (bf16 training then drifts with the CPU's kernels and thread
         # count); it costs G*H, 1/U of the cell-gene part. Only the [U*G, H] part runs in half.
         device = pert_index.device.type
-        with torch.autocast(device, enabled=False):
-            base, pert_all = self.gene_embeddings(n_cells)
-
-        # Fuse each row's perturbation embeddings by gather + masked sum (no loop over cells).
         valid = pert_index >= 0
-        gathered = pert_all[pert_index.clamp(min=0)] * valid.unsqueeze(-1)  # [U, P, H]
+        with torch.autocast(device, enabled=False):
+            base = self.gene_embeddings(n_cells)
+            gathered = self.pert_embeddings(pert_index.clamp(min=0))  # [U, P, H]
+
+        # Fuse each row's perturbation embeddings by a masked sum (no loop over cells).
+        gathered = gathered * valid.unsqueeze(-1)
         has_pert = valid.any(1)
         # Control rows take no part in the fusion MLP's batch statistics (weight 0), as in GEARS.
         fuse_w = has_pert.float() * (per_row if per_row is not None else m)
