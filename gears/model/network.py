@@ -657,20 +657,18 @@ class GEARSNet(nn.Module):
         # Gene- and perturbation-level work runs in fp32 even under autocast: it is computed
         # once and broadcast to every cell, so its rounding errors are shared by the whole batch
         # instead of averaging out (bf16 training then drifts with the CPU's kernels and thread
-        # count); it costs G*H, 1/U of the cell-gene part. Only the [U*G, H] part runs in half.
+        # count); it costs G*H (and U*H), 1/U of the cell-gene part (and no casts of the small
+        # layers' weights). Only the [U*G, H] part runs in half precision.
         device = pert_index.device.type
         valid = pert_index >= 0
+        has_pert = valid.any(1)
         with torch.autocast(device, enabled=False):
             base = self.gene_embeddings(n_cells)
-            gathered = self.pert_embeddings(pert_index.clamp(min=0))  # [U, P, H]
-
-        # Fuse each row's perturbation embeddings by a masked sum (no loop over cells).
-        gathered = gathered * valid.unsqueeze(-1)
-        has_pert = valid.any(1)
-        # Control rows take no part in the fusion MLP's batch statistics (weight 0), as in GEARS.
-        fuse_w = has_pert.float() * (per_row if per_row is not None else m)
-        fused = self.pert_fuse(gathered.sum(1), fuse_w)
-        fused = fused * has_pert.unsqueeze(-1).to(fused.dtype)
+            # Each row's perturbation embeddings fused by a masked sum (no loop over cells).
+            gathered = self.pert_embeddings(pert_index.clamp(min=0)) * valid.unsqueeze(-1)
+            # Control rows take no part in the fusion MLP's statistics (weight 0), as in GEARS.
+            fuse_w = has_pert.to(base.dtype) * (per_row if per_row is not None else m)
+            fused = self.pert_fuse(gathered.sum(1), fuse_w) * has_pert.unsqueeze(-1)
 
         row_w_u = per_row if per_row is not None else m
         # relu(bn_pert_base(base[g] + fused[u])) over the U*G cell-gene rows, [U*G, H].
