@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import pytest
 import torch
 import torch._dynamo
@@ -133,14 +134,27 @@ def test_compiled_steps_match_eager(monkeypatch, tmp_path):
 
 
 def test_compiled_trainer_learns_as_eager(monkeypatch, tmp_path):
-    """A compiled Trainer learns: over 3 epochs its training loss drops as much as the eager
-    Trainer's (within 10%; the two runs drift apart by float noise, see above)."""
+    """A compiled Trainer learns as the eager one: its 3-epoch training-loss drop lies within the
+    spread of eager runs whose starting weights differ by float noise (x (1 +- 1e-7)), widened
+    by 10% of eager's drop. One eager run is no reference: the runs are chaotic (GEARS's
+    max-norm renormalisation), a 1e-7 nudge alone moved eager's drop from 0.112 to 0.0997.
+    Step-by-step equality is test_compiled_steps_match_eager's job."""
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
-    eager, compiled, loader = _eager_and_compiled(tmp_path, epochs=3)
-    drops = []
-    for trainer in (eager, compiled):
-        losses = trainer.fit({"train_loader": loader}, progress=False).train_loss
-        drops.append(1 - losses[-1] / losses[0])
-    print("DROPS", drops)
-    assert drops[0] > 0.02, drops  # eager learns
-    assert abs(drops[1] - drops[0]) < 0.1 * drops[0], drops
+    eager_drops, compiled_drop = [], None
+    for k, nudge in enumerate((0.0, 1e-7, -1e-7)):
+        eager, compiled, loader = _eager_and_compiled(tmp_path / str(k), epochs=3)
+        with torch.no_grad():
+            for p in eager.net.parameters():
+                p.mul_(1 + nudge)
+        losses = eager.fit({"train_loader": loader}, progress=False).train_loss
+        eager_drops.append(1 - losses[-1] / losses[0])
+        if compiled_drop is None:
+            losses = compiled.fit({"train_loader": loader}, progress=False).train_loss
+            compiled_drop = 1 - losses[-1] / losses[0]
+    print("DROPS eager", eager_drops, "compiled", compiled_drop)
+    margin = 0.1 * float(np.median(eager_drops))
+    assert min(eager_drops) > 0.02, eager_drops  # eager learns
+    assert min(eager_drops) - margin < compiled_drop < max(eager_drops) + margin, (
+        eager_drops,
+        compiled_drop,
+    )

@@ -400,8 +400,9 @@ def test_outer_sum_relu_under_autocast_has_fp32_statistics(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_gene_decode_equals_autograd_expression(dtype):
-    """gene_decode's half-precision Function gives what autograd gives for (out * w1).sum(-1):
-    the fp32 output and d_w1, and d_out in out's dtype (the same fp32 products, rounded once)."""
+    """gene_decode's Function (row by row on CPU) gives what autograd gives for
+    (out * w1).sum(-1): the fp32 output and d_w1, and d_out in out's dtype (the same fp32
+    products, rounded once)."""
     gen = torch.Generator().manual_seed(6)
     out = torch.randn(5, 30, 8, generator=gen).to(dtype)
     w1 = torch.randn(30, 8, generator=gen)

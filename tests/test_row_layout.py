@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 from helpers import tiny_split
-from test_network import _biases_cancelled_by_bn
 
 from gears.api import GEARS
 from gears.config import TrainConfig
@@ -17,6 +16,7 @@ from gears.data.pertdata import PertData
 from gears.distributed import DistEnv
 from gears.engine import CELL_ROWS, RepeatRows, Trainer, seed_everything
 from gears.model.network import pad_rows, row_bucket, use_cell_rows
+from tests.test_network import _biases_cancelled_by_bn
 
 
 @pytest.fixture(scope="module")
