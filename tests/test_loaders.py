@@ -352,10 +352,11 @@ def test_grouped_steps_hold_groups_of_one_size(world):
     for epoch in (0, 1):
         for s in (single, *ranks):
             s.set_epoch(epoch)
-        steps = single._steps()
-        sizes = {len(g) for step in steps for g in step}
+        _, _, group_size, steps = single._steps()
+        steps = [group_size[step] for step in steps]  # each step's group sizes
+        sizes = {int(z) for step in steps for z in step}
         assert sizes == {1, 2, 3, 4}  # the data has remainders of every size
-        mixed = [step for step in steps if len({len(g) for g in step}) > 1]
+        mixed = [step for step in steps if len(set(step)) > 1]
         assert len(mixed) <= len(sizes) - 1
         assert len(steps) == len(single) == sum(-(-np.bincount(cond) // m)) // (k * world)
         ref = list(single)
@@ -368,10 +369,10 @@ def test_grouped_steps_hold_groups_of_one_size(world):
         # multiple, when two groups of one condition meet).
         uniform = 0
         for step, batch in zip(steps, ref):
-            if len({len(g) for g in step}) == 1:
+            if len(set(step)) == 1:
                 counts = np.bincount(cond[batch])
                 counts = counts[counts > 0]
-                assert (counts % len(step[0]) == 0).all()
+                assert (counts % step[0] == 0).all()
                 uniform += 1
         assert uniform >= len(ref) - (len(sizes) - 1)
 

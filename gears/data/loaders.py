@@ -295,35 +295,40 @@ class GroupedBatchSampler(Sampler):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def _steps(self) -> list[list[np.ndarray]]:
-        """This epoch's global steps, K * world_size groups each (groups of equal size first)."""
+    def _steps(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]]:
+        """This epoch's plan -> (examples ordered group after group, each group's start and
+        size in that order, the global steps as arrays of K * world_size group ids: groups of
+        equal size first, then the mixed leftovers, then all steps shuffled)."""
         rng = np.random.default_rng([self.seed, self.epoch])
-        order = rng.permutation(len(self.cond))
+        n = len(self.cond)
+        order = rng.permutation(n)
         # Stable sort by condition of a random permutation = every condition's examples shuffled.
         shuffled = order[np.argsort(self.cond[order], kind="stable")]
-        bounds = np.flatnonzero(np.diff(self.cond[shuffled])) + 1
-        groups = []
-        for block in np.split(shuffled, bounds):
-            groups.extend(np.split(block, np.arange(self.m, len(block), self.m)))
-        groups = [groups[i] for i in rng.permutation(len(groups))]
+        cond = self.cond[shuffled]
+        first = np.r_[True, cond[1:] != cond[:-1]] if n else np.zeros(0, bool)
+        within = np.arange(n) - np.maximum.accumulate(np.where(first, np.arange(n), 0))
+        starts = np.flatnonzero(within % self.m == 0)  # a group every m examples of a condition
+        sizes = np.diff(np.r_[starts, n])
+        groups = rng.permutation(len(starts))
         per_step = self.k * self.world_size
-        by_size: dict[int, list[np.ndarray]] = {}
-        for group in groups:
-            by_size.setdefault(len(group), []).append(group)
         steps, rest = [], []
-        for size in sorted(by_size):
-            same = by_size[size]
+        for size in np.unique(sizes):
+            same = groups[sizes[groups] == size]
             whole = len(same) - len(same) % per_step
-            steps += [same[i : i + per_step] for i in range(0, whole, per_step)]
-            rest += same[whole:]
-        rest = [rest[i] for i in rng.permutation(len(rest))]
-        steps += [rest[i : i + per_step] for i in range(0, len(rest) - per_step + 1, per_step)]
-        return [steps[i] for i in rng.permutation(len(steps))]
+            steps += list(same[:whole].reshape(-1, per_step))
+            rest.append(same[whole:])
+        rest = np.concatenate(rest) if rest else np.zeros(0, np.int64)
+        rest = rest[rng.permutation(len(rest))]
+        steps += list(rest[: len(rest) - len(rest) % per_step].reshape(-1, per_step))
+        return shuffled, starts, sizes, [steps[i] for i in rng.permutation(len(steps))]
 
     def __iter__(self) -> Iterator[list[int]]:
-        for step in self._steps():
+        shuffled, starts, sizes, steps = self._steps()
+        for step in steps:
             mine = step[self.rank * self.k : (self.rank + 1) * self.k]
-            yield np.concatenate(mine).tolist()
+            yield np.concatenate(
+                [shuffled[starts[g] : starts[g] + sizes[g]] for g in mine]
+            ).tolist()
 
     def __len__(self) -> int:
         sizes = np.bincount(np.unique(self.cond, return_inverse=True)[1].reshape(-1))
