@@ -110,14 +110,15 @@ class _BlockWeightedBatchNormFn(torch.autograd.Function):
         return dx, None, dgamma, dbeta, None, None
 
 
-def _row_blocks(x: torch.Tensor) -> list[slice]:
-    """Blocks of x's leading rows for the [U, G, H] loops below: one row at a time on CPU, where
-    a row's temporaries ([G, H]) stay in cache (all rows at once stream them through memory:
-    fwd + bwd 1.2-1.8x slower at U = 8-32, G = 1,000, H = 64 in bf16, measured; blocks of 4
-    rows were slower than single rows too); every row at once on other devices (one kernel
-    instead of U launches)."""
+def _row_blocks(x: torch.Tensor, other: torch.dtype) -> list[slice]:
+    """Blocks of x's leading rows for the [U, G, H] loops below, whose temporaries are in
+    `other`'s dtype: one row at a time on CPU when that differs from x's (a half-precision x),
+    so a row's fp32 temporaries ([G, H]) stay in cache (all rows at once stream them through
+    memory: fwd + bwd 1.2-1.8x slower at U = 8-32, G = 1,000, H = 64 in bf16, measured; blocks
+    of 4 rows were slower than single rows); otherwise every row at once (one kernel: faster
+    for fp32 on CPU, where the per-row loop cost eval ~15%, and on other devices)."""
     n_rows = x.shape[0]
-    if x.device.type != "cpu":
+    if x.device.type != "cpu" or x.dtype == other:
         return [slice(0, n_rows)]
     return [slice(u, u + 1) for u in range(n_rows)]
 
@@ -133,7 +134,7 @@ class _OuterSumReluFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, dtype):
         out = torch.empty((b.shape[0], *a.shape), dtype=dtype, device=a.device)
-        for rows in _row_blocks(out):
+        for rows in _row_blocks(out, a.dtype):
             torch.add(a.unsqueeze(0), b[rows].unsqueeze(1), out=out[rows]).relu_()
         ctx.save_for_backward(out)
         ctx.in_dtype = a.dtype
@@ -144,7 +145,7 @@ class _OuterSumReluFn(torch.autograd.Function):
         (out,) = ctx.saved_tensors
         d_a = torch.zeros(out.shape[1:], dtype=ctx.in_dtype, device=out.device)
         d_b = torch.empty((out.shape[0], out.shape[2]), dtype=ctx.in_dtype, device=out.device)
-        for rows in _row_blocks(out):
+        for rows in _row_blocks(out, ctx.in_dtype):
             masked = torch.ops.aten.threshold_backward(grad[rows], out[rows], 0)
             d_a += masked.sum(0, dtype=ctx.in_dtype) if masked.shape[0] > 1 else masked[0]
             d_b[rows] = masked.sum(1)  # native sum (fp32 accumulation), rounded once
@@ -431,7 +432,7 @@ class _GeneDecodeFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out, w1):
         res = torch.empty(out.shape[:2], dtype=w1.dtype, device=out.device)
-        for rows in _row_blocks(out):
+        for rows in _row_blocks(out, w1.dtype):
             torch.sum(out[rows] * w1, -1, out=res[rows])
         ctx.save_for_backward(out, w1)
         return res
@@ -441,7 +442,7 @@ class _GeneDecodeFn(torch.autograd.Function):
         out, w1 = ctx.saved_tensors
         d_out = torch.empty_like(out)
         d_w1 = torch.zeros_like(w1)
-        for rows in _row_blocks(out):
+        for rows in _row_blocks(out, w1.dtype):
             g = grad[rows].unsqueeze(-1)  # [r, G, 1]
             torch.mul(g, w1, out=d_out[rows])  # computed in w1's dtype, stored in out's
             if rows.stop - rows.start == 1:
