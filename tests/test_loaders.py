@@ -309,26 +309,32 @@ def test_grouped_uneven_condition_sizes():
     assert sizes == [3, 5, 9]
 
 
+def _single_and_ranks(cond, m: int, k: int, world: int, seed: int, epoch: int):
+    """One process's sampler (K * world groups a step) and the world ranks' (K each) at `epoch`;
+    checks that the ranks' step-k batches together are the single process's step-k batch and
+    that no example repeats. -> (single sampler, its batches)"""
+    single = GroupedBatchSampler(cond, m, k * world, seed=seed)
+    ranks = [
+        GroupedBatchSampler(cond, m, k, seed=seed, world_size=world, rank=r) for r in range(world)
+    ]
+    for sampler in (single, *ranks):
+        sampler.set_epoch(epoch)
+    ref = list(single)
+    per_rank = [list(r) for r in ranks]
+    assert all(len(p) == len(ref) == len(r) for p, r in zip(per_rank, ranks))
+    for step, batch in enumerate(ref):
+        assert [i for p in per_rank for i in p[step]] == batch  # rank order = group order
+    seen = [i for p in per_rank for b in p for i in b]
+    assert len(seen) == len(set(seen))
+    return single, ref
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_grouped_rank_union_is_the_single_process_batch(world):
     cond = grouped_cond(1)  # 12 groups of 4
-    k, m = 1, 4
-    single = GroupedBatchSampler(cond, m, k * world, seed=9)
-    ranks = [
-        GroupedBatchSampler(cond, m, k, seed=9, world_size=world, rank=r) for r in range(world)
-    ]
     for epoch in (0, 2):
-        for s in (single, *ranks):
-            s.set_epoch(epoch)
-        ref = list(single)
-        per_rank = [list(r) for r in ranks]
+        single, ref = _single_and_ranks(cond, 4, 1, world, seed=9, epoch=epoch)
         assert len(ref) == 12 // world == len(single)
-        assert all(len(p) == len(ref) == len(r) for p, r in zip(per_rank, ranks))
-        for step, batch in enumerate(ref):
-            union = [i for p in per_rank for i in p[step]]
-            assert union == batch  # rank order = group order
-        seen = [i for p in per_rank for b in p for i in b]
-        assert len(seen) == len(set(seen))
 
 
 def uneven_cond(seed: int = 3) -> np.ndarray:
@@ -345,13 +351,8 @@ def test_grouped_steps_hold_groups_of_one_size(world):
     ranks' batches together are the single process's, and len() counts the steps."""
     cond = uneven_cond()
     m, k = 4, 3
-    single = GroupedBatchSampler(cond, m, k * world, seed=2)
-    ranks = [
-        GroupedBatchSampler(cond, m, k, seed=2, world_size=world, rank=r) for r in range(world)
-    ]
     for epoch in (0, 1):
-        for s in (single, *ranks):
-            s.set_epoch(epoch)
+        single, ref = _single_and_ranks(cond, m, k, world, seed=2, epoch=epoch)
         _, _, group_size, steps = single._steps()
         steps = [group_size[step] for step in steps]  # each step's group sizes
         sizes = {int(z) for step in steps for z in step}
@@ -359,12 +360,6 @@ def test_grouped_steps_hold_groups_of_one_size(world):
         mixed = [step for step in steps if len(set(step)) > 1]
         assert len(mixed) <= len(sizes) - 1
         assert len(steps) == len(single) == sum(-(-np.bincount(cond) // m)) // (k * world)
-        ref = list(single)
-        per_rank = [list(r) for r in ranks]
-        for step, batch in enumerate(ref):
-            assert [i for p in per_rank for i in p[step]] == batch
-        seen = [i for b in ref for i in b]
-        assert len(seen) == len(set(seen))
         # Uniform steps: every condition in the batch has the same number of cells (or a
         # multiple, when two groups of one condition meet).
         uniform = 0
