@@ -617,19 +617,6 @@ class Trainer:
         is still alive rather than at exit (see distributed.release)."""
         self.model = self.net
 
-    def _use_device_kernel(self) -> None:
-        """A loaded optimizer state carries the writer's kernel choice (fused or foreach) and puts
-        Adam's step counters where that kernel wants them: switch both to this device's kernel
-        (fused wants the counters on the parameters' device, foreach on the host)."""
-        kernel = optimizer_kernel(self.cfg.optimizer, self.device)
-        for group in self.opt.param_groups:
-            group.update(kernel)
-            for p in group["params"]:
-                step = self.opt.state.get(p, {}).get("step")
-                if torch.is_tensor(step):
-                    where = p.device if kernel["fused"] else torch.device("cpu")
-                    self.opt.state[p]["step"] = step.to(where, torch.float32)
-
     # ---------------------------------------------------------------------------- checkpoints
     def meta(self) -> dict:
         """What a checkpoint must share with the run resuming it (checked by name on resume)."""
@@ -704,12 +691,13 @@ class Trainer:
         }
         ckpt.check_compatible(state, state["path"], expected)
         self.net.load_state_dict(state["model"])
-        # Load with this device's kernel already named, so that load_state_dict places Adam's
-        # step counters for it (a fused writer's counters would otherwise go to our device).
+        # A loaded optimizer state carries the writer's kernel choice (fused or foreach): name
+        # this device's kernel before loading, so that load_state_dict places Adam's step
+        # counters where it wants them (fused: float32 on the parameters' device; foreach: as
+        # loaded, on the host, since checkpoints load to CPU).
         for group in state["optimizer"]["param_groups"]:
             group.update(optimizer_kernel(self.cfg.optimizer, self.device))
         self.opt.load_state_dict(state["optimizer"])
-        self._use_device_kernel()
         self.sched.load_state_dict(state["scheduler"])
         # An fp32 or bf16 run saves a disabled scaler's empty state; fp16 then starts afresh.
         if state["scaler"]:

@@ -84,9 +84,8 @@ def gears_loss(
             float(direction_temperature),
         )
     err = (pred.float() - y.float()).abs().pow(2.0 + gamma)
-    if logvar is not None:
-        logvar = logvar.float()
-        err = err + uncertainty_reg * (torch.exp(-logvar) * err + logvar)
+    logvar = logvar.float()
+    err = err + uncertainty_reg * (torch.exp(-logvar) * err + logvar)
     direction = (
         torch.sign(y.float() - ctrl_mean)
         - direction_surrogate(pred.float() - ctrl_mean, direction_temperature)
