@@ -16,6 +16,7 @@ from gears.model.network import (
     all_rows_max_norm,
     csr_to_padded_rows,
     gene_decode,
+    output_layer,
 )
 
 G, P, H = 24, 10, 8  # genes, perturbable genes, hidden size
@@ -854,3 +855,48 @@ def test_weighted_bn_statistics_are_fp32_under_autocast(dtype):
     )
     yd = (xd - mean) / torch.sqrt(var + bn.eps)
     assert (y.double() - yd).abs().max() < 2e-2 * yd.abs().max()  # the output's own rounding
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_output_layer_equals_autograd_expression(dtype):
+    """output_layer's one-node Function gives GEARS's expression and its autograd gradients."""
+    torch.manual_seed(0)
+    U, G, H = 5, 30, 8
+    inputs = [
+        torch.randn(U, G, dtype=dtype),
+        torch.randn(U, H, dtype=dtype),
+        torch.randn(1, G, H + 1, dtype=dtype),
+        torch.randn(1, G, dtype=dtype),
+    ]
+    grad = torch.randn(U, G, dtype=dtype)
+
+    def expression(w, cross, w2, b2):
+        return w * w2[0][:, 0] + cross @ w2[0][:, 1:].t() + b2
+
+    results = []
+    for fn in (output_layer, expression):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        out = fn(*leaves)
+        out.backward(grad)
+        results.append([out.detach()] + [t.grad for t in leaves])
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    for mine, ref in zip(*results):
+        assert mine.dtype == ref.dtype and mine.shape == ref.shape
+        assert torch.allclose(mine, ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("counts", ["per_row", "equal", "none"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_running_statistics_carry_no_autograd_history(counts, precision):
+    """Every batch-norm path updates its running statistics outside autograd: after a
+    training forward and backward (weighted, native, block-weighted and outer-sum paths, with
+    and without autocast) no buffer requires grad or holds a graph."""
+    net = _make_net().float()
+    arg = {"per_row": COUNTS.float(), "equal": 3.0, "none": None}[counts]
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        out = net(UNIQ, arg)
+    out.float().square().sum().backward()
+    norms = [m for m in net.modules() if isinstance(m, WeightedBatchNorm1d)]
+    assert norms and all(int(m.num_batches_tracked) == 1 for m in norms)
+    for name, buf in net.named_buffers():
+        assert not buf.requires_grad and buf.grad_fn is None, name

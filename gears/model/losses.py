@@ -31,7 +31,9 @@ class _FocalDirectionLossFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, pred, y, weights, ctrl_mean, power, lam, temperature):
         diff = pred - y
-        err = diff.abs().pow_(power)
+        # |d|^4 (GEARS's default gamma = 2) as (d^2)^2: pow with exponent 4 takes CPU's
+        # generic std::pow path, ~12x slower than two squares (measured on [32, 1000]).
+        err = diff.square().square_() if power == 4.0 else diff.abs().pow_(power)
         tanh = ((pred - ctrl_mean) / temperature).tanh_()
         miss = torch.sign(y - ctrl_mean).sub_(tanh)  # sign(y - ctrl) - tanh(...)
         total = (weights * err.add_(miss.square(), alpha=lam)).sum()

@@ -45,6 +45,7 @@ class _WeightedBatchNormFn(torch.autograd.Function):
         r = torch.rsqrt(var + eps)
         xhat = centred.mul_(r)
         ctx.save_for_backward(xhat, w_frac, r, gamma)
+        ctx.mark_non_differentiable(mean, var)  # running statistics only
         return torch.addcmul(beta, xhat, gamma), mean, var
 
     @staticmethod
@@ -89,6 +90,7 @@ class _BlockWeightedBatchNormFn(torch.autograd.Function):
         y = torch.native_batch_norm(x, gamma, beta, mean, var, False, 0.0, eps)[0]
         ctx.save_for_backward(x, f, gamma, mean, var, r)
         ctx.eps, ctx.blocks = eps, blocks
+        ctx.mark_non_differentiable(mean, var)  # running statistics only
         return y, mean, var
 
     @staticmethod
@@ -110,32 +112,55 @@ class _BlockWeightedBatchNormFn(torch.autograd.Function):
         return dx, None, dgamma, dbeta, None, None
 
 
-def _row_blocks(x: torch.Tensor, other: torch.dtype) -> list[slice]:
-    """Blocks of x's leading rows for the [U, G, H] loops below, whose temporaries are in
-    `other`'s dtype: one row at a time on CPU when that differs from x's (a half-precision x),
-    so a row's fp32 temporaries ([G, H]) stay in cache (all rows at once stream them through
-    memory: fwd + bwd 1.2-1.8x slower at U = 8-32, G = 1,000, H = 64 in bf16, measured; blocks
-    of 4 rows were slower than single rows); otherwise every row at once (one kernel: faster
-    for fp32 on CPU, where the per-row loop cost eval ~15%, and on other devices)."""
-    n_rows = x.shape[0]
-    if x.device.type != "cpu" or x.dtype == other:
-        return [slice(0, n_rows)]
-    return [slice(u, u + 1) for u in range(n_rows)]
+def _per_row(x: torch.Tensor, other: torch.dtype) -> bool:
+    """Whether the [U, G, H] passes below, whose temporaries are in `other`'s dtype, loop over
+    x's leading rows: on CPU when that differs from x's (a half-precision x), so that a row's
+    fp32 temporaries ([G, H]) stay in cache (all rows at once stream them through memory:
+    fwd + bwd 1.2-1.8x slower at U = 8-32, G = 1,000, H = 64 in bf16, measured; blocks of 4
+    rows were slower than single rows). Otherwise one kernel for every row (faster for fp32 on
+    CPU, where the per-row loop cost eval ~15%, and on other devices)."""
+    return x.device.type == "cpu" and x.dtype != other
+
+
+def _outer_sum_relu(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """relu(a[g] + b[u]) for a [G, C] and b [U, C] -> [U, G, C] in `dtype`, row by row
+    (_per_row). The sum is taken in the inputs' dtype (fp32) and rounded once: adding a and
+    b rounded to half precision would move the ReLU's mask wherever a ~ -b (~1% of a's
+    gradient in bf16)."""
+    out = torch.empty((b.shape[0], *a.shape), dtype=dtype, device=a.device)
+    if _per_row(out, a.dtype):
+        for out_u, b_u in zip(out.unbind(0), b.unbind(0)):
+            torch.add(a, b_u, out=out_u).relu_()
+    else:
+        torch.add(a.unsqueeze(0), b.unsqueeze(1), out=out).relu_()
+    return out
+
+
+def _outer_sum_relu_grads(
+    grad: torch.Tensor, out: torch.Tensor, in_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients to a and b of out = _outer_sum_relu(a, b): the ReLU's mask, then a sum over
+    rows for a (accumulated and returned in fp32: a's batch-norm gradient subtracts its large
+    common part) and over genes for b (the native sum in out's dtype, fp32 accumulation,
+    rounded once). -> (d_a [G, C], d_b [U, C]) in in_dtype."""
+    if not _per_row(out, in_dtype):
+        masked = torch.ops.aten.threshold_backward(grad, out, 0)
+        return masked.sum(0, dtype=in_dtype), masked.sum(1).to(in_dtype)
+    d_a = torch.zeros(out.shape[1:], dtype=in_dtype, device=out.device)
+    d_b = torch.empty((out.shape[0], out.shape[2]), dtype=in_dtype, device=out.device)
+    for grad_u, out_u, d_b_u in zip(grad.unbind(0), out.unbind(0), d_b.unbind(0)):
+        masked = torch.ops.aten.threshold_backward(grad_u, out_u, 0)
+        d_a += masked
+        d_b_u.copy_(masked.sum(0))
+    return d_a, d_b
 
 
 class _OuterSumReluFn(torch.autograd.Function):
-    """relu(a[g] + b[u]) for a [G, C] and b [U, C] -> [U, G, C] in `dtype`, by row blocks
-    (_row_blocks). The sum is taken in the inputs' dtype (fp32) and rounded once: adding a and
-    b rounded to half precision would move the ReLU's mask wherever a ~ -b (~1% of a's
-    gradient in bf16). Backward: the mask, then a sum over rows for a (accumulated and returned
-    in fp32: a's batch-norm gradient subtracts its large common part) and over genes for b
-    (the native sum in `dtype`, fp32 accumulation, rounded once)."""
+    """relu(a[g] + b[u]) -> [U, G, C] in `dtype` (_outer_sum_relu, _outer_sum_relu_grads)."""
 
     @staticmethod
     def forward(ctx, a, b, dtype):
-        out = torch.empty((b.shape[0], *a.shape), dtype=dtype, device=a.device)
-        for rows in _row_blocks(out, a.dtype):
-            torch.add(a.unsqueeze(0), b[rows].unsqueeze(1), out=out[rows]).relu_()
+        out = _outer_sum_relu(a, b, dtype)
         ctx.save_for_backward(out)
         ctx.in_dtype = a.dtype
         return out
@@ -143,13 +168,59 @@ class _OuterSumReluFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (out,) = ctx.saved_tensors
-        d_a = torch.zeros(out.shape[1:], dtype=ctx.in_dtype, device=out.device)
-        d_b = torch.empty((out.shape[0], out.shape[2]), dtype=ctx.in_dtype, device=out.device)
-        for rows in _row_blocks(out, ctx.in_dtype):
-            masked = torch.ops.aten.threshold_backward(grad[rows], out[rows], 0)
-            d_a += masked.sum(0, dtype=ctx.in_dtype) if masked.shape[0] > 1 else masked[0]
-            d_b[rows] = masked.sum(1)  # native sum (fp32 accumulation), rounded once
-        return d_a, d_b, None
+        return *_outer_sum_relu_grads(grad, out, ctx.in_dtype), None
+
+
+class _OuterSumBatchNormReluFn(torch.autograd.Function):
+    """relu(gamma * xhat + beta) for the U*G rows x[u, g] = a[g] + b[u] batch-normalised with
+    their own statistics, row (u, g) weighing f[u] / G (f [U] sums to 1; None: 1 / U), one
+    autograd node with an analytic backward (WeightedBatchNorm1d.outer_sum_relu's training
+    path; autograd through its ~25 small [G, C] and [U, C] ops cost more in dispatch than
+    their arithmetic). a, b, f, gamma, beta share the statistics dtype.
+
+    With ca = a - mean(a), cb = b - sum_u f_u b_u, r = 1 / sqrt(var(a) + var_f(b) + eps):
+    xhat = ahat[g] + bhat[u] (ahat = ca r, bhat = cb r). Backward from dA = sum_u dy[u, g] and
+    dB = sum_g dy[u, g] (dy the gradient after the ReLU's mask): dbeta = S1 = sum(dA),
+    dgamma = S2 = sum(dA ahat) + sum(dB bhat), and the weighted batch-norm gradient
+    r gamma (dy - f_u / G (S1 + xhat S2)) summed over u (for a) and over g (for b), where
+    sum_g ahat = sum_u f_u bhat_u = 0 leaves d_a = r gamma (dA - (S1 + ahat S2) / G) and
+    d_b = r gamma (dB - f_u (S1 + bhat S2))."""
+
+    @staticmethod
+    def forward(ctx, a, b, f, gamma, beta, eps, dtype):
+        mean_a = a.mean(0)
+        ca = a - mean_a
+        var_a = ca.square().mean(0)
+        if f is None:
+            mean_b = b.mean(0)
+            cb = b - mean_b
+            var_b = cb.square().mean(0)
+        else:
+            mean_b = f @ b
+            cb = b - mean_b
+            var_b = f @ cb.square()
+        var = var_a + var_b
+        r = torch.rsqrt(var + eps)
+        scale = r * gamma
+        out = _outer_sum_relu(torch.addcmul(beta, ca, scale), cb * scale, dtype)
+        ctx.save_for_backward(out, ca, cb, r, gamma, f)
+        ctx.in_dtype = a.dtype
+        mean = mean_a + mean_b
+        ctx.mark_non_differentiable(mean, var)  # running statistics only
+        return out, mean, var
+
+    @staticmethod
+    def backward(ctx, grad, _dmean, _dvar):
+        out, ca, cb, r, gamma, f = ctx.saved_tensors
+        d_a_part, d_b_part = _outer_sum_relu_grads(grad, out, ctx.in_dtype)
+        ahat, bhat = ca * r, cb * r
+        s1 = d_a_part.sum(0)
+        s2 = (d_a_part * ahat).sum(0) + (d_b_part * bhat).sum(0)
+        scale = r * gamma
+        d_a = (d_a_part - torch.addcmul(s1, ahat, s2).div_(ca.shape[0])).mul_(scale)
+        f_u = 1.0 / cb.shape[0] if f is None else f.unsqueeze(1)
+        d_b = (d_b_part - torch.addcmul(s1, bhat, s2).mul_(f_u)).mul_(scale)
+        return d_a, d_b, None, s2, s1, None, None
 
 
 def _stat_dtype(x: torch.Tensor) -> torch.dtype:
@@ -207,8 +278,7 @@ class WeightedBatchNorm1d(nn.BatchNorm1d):
             y, mean, invstd = torch.native_batch_norm(
                 x, self.weight, self.bias, None, None, True, 0.0, self.eps
             )
-            with torch.no_grad():
-                var = invstd.pow(-2).sub_(self.eps).clamp_(min=0)
+            var = invstd.pow(-2).sub_(self.eps).clamp_(min=0)  # (no autograd: not differentiable)
             # weight: a Python number or a 0-dim tensor (never turned into a number: a sync).
             self._update_running(mean, var, x.shape[0] * (1.0 if weight is None else weight))
             return y
@@ -235,7 +305,7 @@ class WeightedBatchNorm1d(nn.BatchNorm1d):
     def _sync_forward(self, xf: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Weighted statistics over all processes, then the normalisation of the local rows."""
         mean, var, total = self._weighted_stats(xf, w, distributed=True)
-        self._update_running(mean, var, total)
+        self._update_running(mean.detach(), var.detach(), total)
         return (xf - mean) * torch.rsqrt(var + self.eps) * self.weight + self.bias
 
     @staticmethod
@@ -285,14 +355,32 @@ class WeightedBatchNorm1d(nn.BatchNorm1d):
         )
         stat_dtype = torch.promote_types(_stat_dtype(a), _stat_dtype(b))
         G, U = a.shape[0], b.shape[0]
+        batch_stats = self.training or self.running_mean is None
+        distributed = self.sync and dist.is_available() and dist.is_initialized()
         with torch.autocast(device, enabled=False):
             af, bf = a.to(stat_dtype), b.to(stat_dtype)
-            if self.training or self.running_mean is None:
+            # One node with an analytic backward; the general path below serves evaluation,
+            # sync-BN over processes, no affine, and the compiler (which fuses it).
+            fused = batch_stats and self.affine and not distributed
+            if fused and not torch.compiler.is_compiling():
+                if torch.is_tensor(weight):
+                    w = weight.to(stat_dtype)
+                    total = w.sum()
+                    # All-zero weights (no perturbed row): fractions 0, output finite.
+                    f, n = w / total.clamp(min=1e-12), G * total
+                else:
+                    f, n = None, U * G * (1.0 if weight is None else weight)
+                out, mean, var = _OuterSumBatchNormReluFn.apply(
+                    af, bf, f, self.weight, self.bias, self.eps, out_dtype
+                )
+                if self.training:
+                    self._update_running(mean, var, n)
+                return out
+            if batch_stats:
                 # (torch.var_mean over dim 0 costs ~10x these passes on [G, C])
                 mean_a = af.mean(0)
                 centred_a = af - mean_a
                 var_a = (centred_a * centred_a).mean(0)
-                distributed = self.sync and dist.is_available() and dist.is_initialized()
                 if torch.is_tensor(weight) or distributed:
                     w = (
                         weight
@@ -309,7 +397,7 @@ class WeightedBatchNorm1d(nn.BatchNorm1d):
                     n = U * G * (1.0 if weight is None else weight)
                 mean, var = mean_a + mean_b, var_a + var_b
                 if self.training:
-                    self._update_running(mean, var, n)
+                    self._update_running(mean.detach(), var.detach(), n)
             else:  # eval: the running statistics, all of the mean on the gene side
                 centred_a, mean_b, var = af - self.running_mean, 0.0, self.running_var
             scale = torch.rsqrt(var + self.eps)
@@ -323,23 +411,24 @@ class WeightedBatchNorm1d(nn.BatchNorm1d):
                 return torch.relu(a_part.unsqueeze(0) + b_part.unsqueeze(1)).to(out_dtype)
             return _OuterSumReluFn.apply(a_part, b_part, out_dtype)
 
-    @torch.no_grad()
     def _update_running(
         self, mean: torch.Tensor, var: torch.Tensor, n: torch.Tensor | float
     ) -> None:
         """Running statistics from a batch standing for n cells: running_var takes the unbiased
-        var * n / (n - 1). n is a Python number or a 0-dim device tensor; neither path copies a
-        Python number to the device (each such copy is a host-device synchronisation)."""
+        var * n / (n - 1). mean and var carry no autograd history (the callers detach them).
+        n is a Python number or a 0-dim device tensor; neither path copies a Python number to
+        the device (each such copy is a host-device synchronisation). Few ops: this runs ~10
+        times a step, where each op's dispatch costs about what its work does."""
         if not self.track_running_stats:
             return
-        self.num_batches_tracked += 1
+        self.num_batches_tracked.add_(1)  # (+= would also run nn.Module.__setattr__)
         m = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
         dtype = self.running_mean.dtype
         if torch.is_tensor(n):
             n = n.to(dtype)
-            unbiased = var.to(dtype) * (n / (n - 1).clamp(min=1))
             # A batch whose rows all weigh 0 (no perturbed cell) leaves the statistics alone.
             m = torch.where(n > 0, m, 0.0).to(dtype)
+            unbiased = var.to(dtype) * (n / (n - 1).clamp(min=1))
         else:
             if n <= 0:
                 return
@@ -425,15 +514,18 @@ class _GraphPropagateFn(torch.autograd.Function):
 class _GeneDecodeFn(torch.autograd.Function):
     """GEARSNet's per-gene decoder w[u, g] = sum_h out[u, g, h] w1[g, h] for out [U, G, H] in any
     float dtype and w1 [G, H] -> [U, G] in w1's dtype: what `(out * w1).sum(-1)` computes (exact
-    products and sums in w1's dtype), by row blocks (_row_blocks). The backward writes d_out in
+    products and sums in w1's dtype), row by row (_per_row). The backward writes d_out in
     out's dtype directly (products in w1's dtype, rounded once) and accumulates d_w1 a block at
     a time; out is saved as it is (no [U, G, H] copy in w1's dtype is ever held)."""
 
     @staticmethod
     def forward(ctx, out, w1):
-        res = torch.empty(out.shape[:2], dtype=w1.dtype, device=out.device)
-        for rows in _row_blocks(out, w1.dtype):
-            torch.sum(out[rows] * w1, -1, out=res[rows])
+        if _per_row(out, w1.dtype):
+            res = torch.empty(out.shape[:2], dtype=w1.dtype, device=out.device)
+            for out_u, res_u in zip(out.unbind(0), res.unbind(0)):
+                torch.sum(out_u * w1, -1, out=res_u)
+        else:
+            res = (out * w1).sum(-1)
         ctx.save_for_backward(out, w1)
         return res
 
@@ -441,15 +533,48 @@ class _GeneDecodeFn(torch.autograd.Function):
     def backward(ctx, grad):
         out, w1 = ctx.saved_tensors
         d_out = torch.empty_like(out)
+        if not _per_row(out, w1.dtype):
+            g = grad.unsqueeze(-1)  # [U, G, 1]
+            torch.mul(g, w1, out=d_out)
+            return d_out, (g * out).sum(0)
         d_w1 = torch.zeros_like(w1)
-        for rows in _row_blocks(out, w1.dtype):
-            g = grad[rows].unsqueeze(-1)  # [r, G, 1]
-            torch.mul(g, w1, out=d_out[rows])  # computed in w1's dtype, stored in out's
-            if rows.stop - rows.start == 1:
-                d_w1.addcmul_(out[rows.start], g[0])
-            else:
-                d_w1 += (g * out[rows]).sum(0)
+        g = grad.unsqueeze(-1)  # [U, G, 1]
+        for g_u, out_u, d_out_u in zip(g.unbind(0), out.unbind(0), d_out.unbind(0)):
+            torch.mul(g_u, w1, out=d_out_u)  # computed in w1's dtype, stored in out's
+            d_w1.addcmul_(out_u, g_u)
         return d_out, d_w1
+
+
+class _OutputLayerFn(torch.autograd.Function):
+    """GEARS's second per-gene layer, delta = w * w2[:, 0] + cross @ w2[:, 1:]^T + b2, for w
+    [U, G], cross [U, H], w2 [1, G, H + 1], b2 [1, G] -> [U, G], as one autograd node: the
+    expression's ~8 nodes (select and slice backwards each fill a zero [G, H + 1] gradient)
+    cost more in dispatch than its arithmetic at a few rows. Inputs share one float dtype."""
+
+    @staticmethod
+    def forward(ctx, w, cross, w2, b2):
+        w2 = w2[0]
+        delta = torch.addmm(b2, cross, w2[:, 1:].t()).addcmul_(w, w2[:, 0])
+        ctx.save_for_backward(w, cross, w2)
+        return delta
+
+    @staticmethod
+    def backward(ctx, grad):
+        w, cross, w2 = ctx.saved_tensors
+        d_w2 = torch.empty((1, *w2.shape), dtype=w2.dtype, device=w2.device)
+        torch.sum(grad * w, 0, out=d_w2[0, :, 0])
+        d_w2[0, :, 1:] = grad.t() @ cross
+        return grad * w2[:, 0], grad @ w2[:, 1:], d_w2, grad.sum(0, keepdim=True)
+
+
+def output_layer(
+    w: torch.Tensor, cross: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor
+) -> torch.Tensor:
+    """w [U, G], cross [U, H], w2 [1, G, H + 1], b2 [1, G] ->
+    delta = w * w2[0, :, 0] + cross @ w2[0, :, 1:]^T + b2, [U, G]."""
+    if torch.compiler.is_compiling():  # (the compiler fuses the expression)
+        return w * w2[0, :, 0] + cross @ w2[0, :, 1:].t() + b2
+    return _OutputLayerFn.apply(w, cross, w2, b2)
 
 
 def gene_decode(out: torch.Tensor, w1: torch.Tensor) -> torch.Tensor:
@@ -706,10 +831,10 @@ class GEARSNet(nn.Module):
         # rounding of its [U, H] linear output is as large as those differences and its
         # batch-norm over U rows would normalise rounding noise (bf16 training then drifts
         # with the thread count's summation order). It costs U*G*H, no cell-gene term.
+        # So does the second per-gene layer on it.
         with torch.autocast(w.device.type, enabled=False):
             cross = self.cross_gene_state(w.to(_stat_dtype(w)), row_w_u)  # [U, H]
-        w2 = self.indv_w2[0]
-        delta = w * w2[:, 0] + cross @ w2[:, 1:].t() + self.indv_b2
+            delta = output_layer(w, cross, self.indv_w2, self.indv_b2)
         if self.uncertainty:
             logvar = self.uncertainty_w(h, row_w, blocks).reshape(U, G)
             return delta, logvar
