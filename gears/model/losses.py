@@ -18,6 +18,12 @@ def _group_weights(
     return gene_mask.to(counts.dtype)[inverse] * per_group[inverse].unsqueeze(1)
 
 
+def abs_pow(d: torch.Tensor, power: float) -> torch.Tensor:
+    """|d|^power. GEARS's default power 4 (gamma = 2) as (d^2)^2: pow with exponent 4 takes
+    CPU's generic std::pow path, ~12x slower than two squares (measured on [32, 1000])."""
+    return d.square().square() if power == 4.0 else d.abs().pow(power)
+
+
 def direction_surrogate(delta: torch.Tensor, temperature: float) -> torch.Tensor:
     """A differentiable sign: tanh(delta / temperature). (GEARS's torch.sign has zero gradient.)"""
     return torch.tanh(delta / temperature)
@@ -31,9 +37,7 @@ class _FocalDirectionLossFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, pred, y, weights, ctrl_mean, power, lam, temperature):
         diff = pred - y
-        # |d|^4 (GEARS's default gamma = 2) as (d^2)^2: pow with exponent 4 takes CPU's
-        # generic std::pow path, ~12x slower than two squares (measured on [32, 1000]).
-        err = diff.square().square_() if power == 4.0 else diff.abs().pow_(power)
+        err = abs_pow(diff, power)
         tanh = ((pred - ctrl_mean) / temperature).tanh_()
         miss = torch.sign(y - ctrl_mean).sub_(tanh)  # sign(y - ctrl) - tanh(...)
         total = (weights * err.add_(miss.square(), alpha=lam)).sum()
@@ -85,7 +89,7 @@ def gears_loss(
             float(direction_lambda),
             float(direction_temperature),
         )
-    err = (pred.float() - y.float()).abs().pow(2.0 + gamma)
+    err = abs_pow(pred.float() - y.float(), 2.0 + gamma)
     logvar = logvar.float()
     err = err + uncertainty_reg * (torch.exp(-logvar) * err + logvar)
     direction = (

@@ -415,7 +415,8 @@ class WeightedBatchNorm1d(nn.BatchNorm1d):
         self, mean: torch.Tensor, var: torch.Tensor, n: torch.Tensor | float
     ) -> None:
         """Running statistics from a batch standing for n cells: running_var takes the unbiased
-        var * n / (n - 1). mean and var carry no autograd history (the callers detach them).
+        var * n / (n - 1). mean and var carry no autograd history (the batch-norm Functions
+        mark them non-differentiable; the other callers detach them).
         n is a Python number or a 0-dim device tensor; neither path copies a Python number to
         the device (each such copy is a host-device synchronisation). Few ops: this runs ~10
         times a step, where each op's dispatch costs about what its work does."""
@@ -533,12 +534,11 @@ class _GeneDecodeFn(torch.autograd.Function):
     def backward(ctx, grad):
         out, w1 = ctx.saved_tensors
         d_out = torch.empty_like(out)
+        g = grad.unsqueeze(-1)  # [U, G, 1]
         if not _per_row(out, w1.dtype):
-            g = grad.unsqueeze(-1)  # [U, G, 1]
             torch.mul(g, w1, out=d_out)
             return d_out, (g * out).sum(0)
         d_w1 = torch.zeros_like(w1)
-        g = grad.unsqueeze(-1)  # [U, G, 1]
         for g_u, out_u, d_out_u in zip(g.unbind(0), out.unbind(0), d_out.unbind(0)):
             torch.mul(g_u, w1, out=d_out_u)  # computed in w1's dtype, stored in out's
             d_w1.addcmul_(out_u, g_u)
