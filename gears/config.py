@@ -82,6 +82,9 @@ class TrainConfig:
     grad_clip: float = 1.0  # gradient value clip, as GEARS; 0 disables
     grad_accum_steps: int = 1
     precision: str = "fp32"  # fp32 | bf16 | fp16 (CUDA only)
+    # CUDA only: fp32 matmuls and convolutions in TF32 (10-bit mantissa, ~1e-3 relative error,
+    # several times faster on Ampere and later). Off: fp32 means fp32.
+    tf32: bool = False
     batching: str = "random"  # random | grouped (perturbations x cells_per_group) | block
     cells_per_group: int = 4
     block_size: int = 1024  # batching=block: consecutive examples read together

@@ -267,12 +267,13 @@ def choose_device(
     return dev
 
 
-def allow_tf32(device: torch.device) -> None:
-    """TF32 matmuls and convolutions on CUDA (Ampere+): ~fp32 accuracy for this model's
-    normalised activations at several times the speed. Nothing changes on CPU."""
+def set_tf32(device: torch.device, enabled: bool) -> None:
+    """TF32 for fp32 matmuls and convolutions on CUDA when `enabled` (train.tf32), full fp32
+    otherwise; the flags are process-wide, so both values are set explicitly. Nothing changes on
+    CPU, which has no TF32."""
     if device.type == "cuda":
-        torch.set_float32_matmul_precision("high")  # GPU-only
-        torch.backends.cudnn.allow_tf32 = True  # GPU-only
+        torch.set_float32_matmul_precision("high" if enabled else "highest")  # GPU-only
+        torch.backends.cudnn.allow_tf32 = enabled  # GPU-only
 
 
 def init_distributed(

@@ -24,9 +24,9 @@ from gears.distributed import (
     all_gather_objects,
     all_reduce_max,
     all_reduce_mean,
-    allow_tf32,
     barrier,
     broadcast_object,
+    set_tf32,
 )
 from gears.errors import GearsInputError, NonFiniteLossError, TrainingStopped
 from gears.evaluate import Evaluator
@@ -222,7 +222,7 @@ class Trainer:
         self.wandb = wandb_run
         self.seed = seed
         self.device = env.device
-        allow_tf32(self.device)
+        set_tf32(self.device, train_cfg.tf32)
         self.amp_dtype = autocast_dtype(train_cfg.precision, self.device)
         self.net = model.to(self.device)
         dist_cfg = dist_cfg or DistributedConfig()

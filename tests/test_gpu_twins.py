@@ -29,12 +29,12 @@ from gears.config import Config, DistributedConfig, TrainConfig
 from gears.data.pertdata import PertData
 from gears.distributed import (
     DistEnv,
-    allow_tf32,
     build_in_stages,
     cleanup,
     default_master_port,
     find_free_port,
     resolve_device,
+    set_tf32,
     slurm_to_env,
 )
 from gears.engine import Trainer, graph_buffer_names, optimizer_kernel, rng_state, set_rng_state
@@ -103,14 +103,22 @@ def test_launcher_refuses_cuda_0_with_two_processes_in_one_line(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_tf32_only_on_cuda():
+def test_tf32_is_off_unless_asked_and_only_touches_cuda():
+    """fp32 means fp32 by default (train.tf32=false), even after an earlier run in the same
+    process switched TF32 on; the CPU has no TF32 and its flags are left alone."""
+    assert TrainConfig().tf32 is False
     before = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
     try:
-        torch.set_float32_matmul_precision("highest")
-        allow_tf32(torch.device("cpu"))
-        assert torch.get_float32_matmul_precision() == "highest"
-        allow_tf32(torch.device("cuda", 0))  # sets flags only; needs no GPU
+        torch.set_float32_matmul_precision("high")
+        set_tf32(torch.device("cpu"), True)
+        set_tf32(torch.device("cpu"), False)
         assert torch.get_float32_matmul_precision() == "high"
+        set_tf32(torch.device("cuda", 0), True)  # sets flags only; needs no GPU
+        assert torch.get_float32_matmul_precision() == "high"
+        assert torch.backends.cudnn.allow_tf32
+        set_tf32(torch.device("cuda", 0), TrainConfig().tf32)
+        assert torch.get_float32_matmul_precision() == "highest"
+        assert not torch.backends.cudnn.allow_tf32
     finally:
         torch.set_float32_matmul_precision(before[0])
         torch.backends.cudnn.allow_tf32 = before[1]
