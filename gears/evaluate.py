@@ -7,6 +7,7 @@ import scipy.sparse as sp
 import torch
 
 from gears.data.conditions import CTRL
+from gears.device import to_device, to_host
 from gears.distributed import DistEnv, all_gather_objects
 from gears.errors import GearsInputError
 
@@ -35,11 +36,11 @@ def predict_deltas(
     chunks = np.array_split(np.arange(len(pert_index)), max(1, -(-len(pert_index) // EVAL_CHUNK)))
     mine = {}
     for c in range(env.rank, len(chunks), env.world_size):
-        out = net(torch.as_tensor(pert_index[chunks[c]], device=device))
+        out = net(to_device(torch.as_tensor(pert_index[chunks[c]]), device))
         delta, logvar = out if isinstance(out, tuple) else (out, None)
         mine[c] = (
-            delta.float().cpu().numpy(),
-            None if logvar is None else logvar.float().cpu().numpy(),
+            to_host(delta.float()).numpy(),
+            None if logvar is None else to_host(logvar.float()).numpy(),
         )
     net.train(was_training)
     gathered = {}

@@ -10,6 +10,8 @@ matplotlib.use("Agg")  # files only; never needs a display
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from gears.device import to_host  # noqa: E402
+
 
 def plot_history(history, save_file: str | Path) -> Path:
     """Training loss and validation mse_de per epoch."""
@@ -40,7 +42,7 @@ def plot_perturbation(
     rows = np.flatnonzero(pert_data.cell_condition == pert_data.cond_to_id.get(condition, -1))
     fig, ax = plt.subplots(figsize=(10, 4))
     if len(rows):
-        truth = pert_data.expr.rows(rows).numpy()[:, genes] - ctrl[genes]
+        truth = to_host(pert_data.expr.rows(rows)).numpy()[:, genes] - ctrl[genes]
         ax.boxplot(truth, showfliers=False, medianprops={"color": "black"})
     ax.scatter(
         np.arange(1, len(genes) + 1),

@@ -376,7 +376,7 @@ def test_expression_stays_on_the_host_for_cpu_and_csr():
 
     X = np.arange(12, dtype=np.float32).reshape(4, 3)
     dense, csr = ExpressionMatrix(X), ExpressionMatrix.shared(sp.csr_matrix(X))
-    assert not dense.to_device(torch.device("cpu")) and not csr.to_device("cuda")
+    assert not dense.place(torch.device("cpu")) and not csr.place("cuda")
     assert dense.dense.device.type == "cpu"
     for expr in (dense, csr):
         np.testing.assert_array_equal(expr.rows(np.array([2, 0])).numpy(), X[[2, 0]])

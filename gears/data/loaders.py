@@ -12,6 +12,8 @@ import scipy.sparse as sp
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, Sampler
 
+from gears.device import holds_device_memory, to_device
+
 # Dense expression up to this many bytes; larger screens stay CSR and are densified per batch.
 DENSE_LIMIT_BYTES = 8 * 1024**3
 # A dense matrix moves onto the GPU when it takes at most this fraction of the free memory.
@@ -31,6 +33,7 @@ class ExpressionMatrix:
             array = X.toarray() if sp.issparse(X) else np.asarray(X)
             self.dense = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
             self.csr = None
+        self.host = self.dense  # the host copy; dense is the gather source (host or device)
 
     @classmethod
     def shared(cls, matrix) -> ExpressionMatrix:
@@ -49,23 +52,27 @@ class ExpressionMatrix:
                 warnings.simplefilter("ignore", UserWarning)
                 self.dense = torch.from_numpy(matrix)
             self.csr = None
+        self.host = self.dense
         return self
 
-    def to_device(self, device: torch.device, max_fraction: float = GPU_FRACTION) -> bool:
-        """Move a dense matrix onto a CUDA device when it fits in `max_fraction` of the free
-        memory, so batches are gathered there (GPU_REVIEW defect 9). -> whether it moved.
-
-        CPU devices and CSR matrices are left alone (batches are gathered on the host).
-        """
-        device = torch.device(device)
-        if device.type != "cuda" or self.dense is None or self.dense.device == device:
+    def place(self, device: torch.device, gather_on_device: bool = True) -> bool:
+        """Keep a dense matrix on a GPU when it fits in GPU_FRACTION of the free memory and
+        batches are gathered in this process (GPU_REVIEW defect 9); else on the host (CSR
+        matrices, CPU devices, loader worker processes, which must not index GPU memory).
+        Returns whether batches are now born on the device (then they need no pinning).
+        Idempotent: a second loader build finds the matrix where the first one put it."""
+        if self.dense is None:
             return False
-        free, _ = torch.cuda.mem_get_info(device)  # GPU-only line
-        if self.dense.numel() * self.dense.element_size() > max_fraction * free:
-            return False
-        self.host = self.dense  # numpy() keeps serving the host copy (evaluation, graphs)
-        self.dense = self.dense.to(device)
-        return True
+        on_device = gather_on_device and holds_device_memory(device)
+        if on_device and self.dense is self.host:
+            if torch.device(device).type == "cuda":
+                free, _ = torch.cuda.mem_get_info(device)  # GPU-only line
+                on_device = self.host.numel() * self.host.element_size() <= GPU_FRACTION * free
+            if on_device:
+                self.dense = to_device(self.host, device)
+        elif not on_device:
+            self.dense = self.host
+        return on_device
 
     def rows(self, idx: np.ndarray) -> torch.Tensor:
         """[len(idx), genes] float32 (on the matrix's device)."""
@@ -75,10 +82,8 @@ class ExpressionMatrix:
         return torch.from_numpy(self.csr[idx].toarray())
 
     def numpy(self):
-        """The matrix as numpy (dense) or scipy CSR, without copying a host dense tensor."""
-        if self.dense is None:
-            return self.csr
-        return self.dense.numpy() if self.dense.device.type == "cpu" else self.host.numpy()
+        """The matrix as numpy (dense) or scipy CSR, from the host copy (no device read)."""
+        return self.csr if self.dense is None else self.host.numpy()
 
 
 def pairing_hash(seed: int, epoch: int, example: np.ndarray) -> np.ndarray:
@@ -114,7 +119,7 @@ class Batch:
     def to(self, device, non_blocking: bool = False) -> Batch:
         return Batch(
             **{
-                f.name: getattr(self, f.name).to(device, non_blocking=non_blocking)
+                f.name: to_device(getattr(self, f.name), device, non_blocking=non_blocking)
                 for f in fields(self)
             }
         )

@@ -22,6 +22,7 @@ from gears.data.conditions import (
     genes_of,
 )
 from gears.data.loaders import EpochLoader, ExampleSet, ExpressionMatrix, eval_loader, train_loader
+from gears.device import to_host
 from gears.errors import GearsInputError
 
 PROCESSED_NAME = "perturb_processed.h5ad"
@@ -497,7 +498,9 @@ class PertData:
         self.de_idx = ranked[:, :N_DE].copy()
         self.non_dropout_de_idx = non_dropout
         self.non_zero_mask = non_zero_mask
-        self.ctrl_mean = np.asarray(self.expr.rows(self.ctrl_rows).mean(0).numpy(), np.float64)
+        self.ctrl_mean = np.asarray(
+            to_host(self.expr.rows(self.ctrl_rows).mean(0)).numpy(), np.float64
+        )
         self.split = self.set2conditions = self.subgroup = self.dataloader = None
         self._graphs = {}
 
@@ -663,13 +666,13 @@ class PertData:
     ) -> dict[str, EpochLoader]:
         """Training shards via a seeded DistributedSampler; evaluation sharded without padding.
 
-        device: a CUDA device keeps a dense matrix that fits (ExpressionMatrix.to_device) on the
+        device: a CUDA device keeps a dense matrix that fits (ExpressionMatrix.place) on the
         GPU and gathers batches there; with num_workers > 0 batches are gathered on the host.
         """
         if self.set2conditions is None:
             raise GearsInputError("call prepare_split before get_dataloader")
-        if device is not None and num_workers == 0 and self.expr.to_device(device):
-            pin_memory = False  # batches are born on the GPU
+        if device is not None and self.expr.place(device, gather_on_device=num_workers == 0):
+            pin_memory = False  # batches are born on the GPU: nothing to pin
         test_batch_size = test_batch_size or batch_size
         loaders = {}
         for name in ("train", "val", "test"):

@@ -286,8 +286,10 @@ class WeightedBatchNorm1d(nn.BatchNorm1d):
         if tensor_weight:
             w = weight.to(stat_dtype)
         else:
-            w = torch.full((x.shape[0],), 1.0 if weight is None else float(weight), device=x.device)
-            w = w.to(stat_dtype)
+            # weight: None, a number or a 0-dim (device) tensor, broadcast without a host read.
+            w = torch.ones(x.shape[0], dtype=stat_dtype, device=x.device)
+            if weight is not None:
+                w = w * weight
         with torch.autocast(x.device.type, enabled=False):
             xf = x.to(stat_dtype)
             if distributed:
