@@ -73,8 +73,16 @@ launch() {  # launch NNODES NODE_RANK args...
     --max_restarts="$MAX_RESTARTS" "${rdzv[@]}" "$here/train_distributed.py" "$@"
 }
 
-if [ -n "${SLURM_JOB_ID:-}" ] && [ -z "${SLURM_STEP_ID:-}" ] && command -v srun >/dev/null; then
-  # In the batch script of an allocation: one srun task per node, each running torchrun.
+# Inside a task of an srun step, or in the allocation itself (the batch script, or salloc's shell,
+# which runs in an "interactive" step): the same step ids as gears.distributed.in_srun_task.
+step="${SLURM_STEP_ID:-${SLURM_STEPID:-}}"
+case "$step" in
+  ""|batch|extern|interactive|429496729[0-5]) in_srun_task=0 ;;
+  *) in_srun_task=1 ;;
+esac
+if [ -n "${SLURM_JOB_ID:-}" ] && [ "$in_srun_task" = 0 ] && command -v srun >/dev/null; then
+  # In the batch script or salloc shell of an allocation: one srun task per node, each running
+  # torchrun.
   MASTER_ADDR="${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}"
   NNODES="${NNODES:-${SLURM_NNODES:-1}}"
   RDZV_ID="${RDZV_ID:-$SLURM_JOB_ID}"

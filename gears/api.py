@@ -12,6 +12,7 @@ import torch
 from gears import checkpoint as ckpt
 from gears.config import DistributedConfig, ModelConfig, TrainConfig
 from gears.data.conditions import CTRL, canonical_condition, condition_genes
+from gears.device import to_host
 from gears.distributed import DistEnv, choose_device
 from gears.engine import Trainer
 from gears.errors import GearsInputError
@@ -177,8 +178,7 @@ class GEARS:
             seed=self.seed,
             control_mean=control_mean,
         )
-        if resume or cfg.resume:
-            self.trainer.resume()
+        self.trainer.resume(asked=resume or cfg.resume)
         self.history = self.trainer.fit(loaders, progress=progress)
         self.best_model = self.model
         return self.history
@@ -302,7 +302,7 @@ class GEARS:
             "format": ckpt.FORMAT_VERSION,
             "meta": self._checkpoint_meta(),
             "state_dict": self.model.state_dict(),
-            "graphs": {k: (v[0].cpu(), v[1].cpu()) for k, v in self.graphs.items()},
+            "graphs": {k: (to_host(v[0]), to_host(v[1])) for k, v in self.graphs.items()},
             "ctrl_expression": torch.as_tensor(np.asarray(self.ctrl_expression)),
         }
         ckpt.atomic_save(state, path / MODEL_FILE)

@@ -102,7 +102,9 @@ def slurm_to_env() -> None:
     os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
     os.environ["WORLD_SIZE"] = os.environ.get("SLURM_NTASKS", "1")
     if "MASTER_ADDR" not in os.environ:
-        nodelist = os.environ.get("SLURM_JOB_NODELIST", "127.0.0.1")
+        # The step's nodes: a step may run on a subset of the job's, without its first host.
+        nodelist = os.environ.get("SLURM_STEP_NODELIST", os.environ.get("SLURM_JOB_NODELIST"))
+        nodelist = nodelist or "127.0.0.1"
         os.environ["MASTER_ADDR"] = first_slurm_host(nodelist)
     os.environ.setdefault("MASTER_PORT", str(default_master_port()))
 
@@ -176,6 +178,7 @@ def resolve_device(
     device_count: int = 0,
     rank: int | None = None,
     local_world_size: int | None = None,
+    share_gpus: bool = False,
 ) -> torch.device:
     """The device of one process: a pure function of the config and what the node has, so every
     contradiction is a clear error on any machine (tests exercise it without a GPU).
@@ -183,7 +186,8 @@ def resolve_device(
     spec: auto | cpu | cuda | cuda:N; gpu_ids: the GPUs local ranks 0, 1, ... use (None: local
     rank modulo the visible GPUs, which also covers Slurm binding one GPU per task);
     device_count: CUDA devices visible; local_world_size: processes on this node when a
-    launcher says so (torchrun's LOCAL_WORLD_SIZE), to refuse two ranks on one GPU.
+    launcher says so (torchrun's LOCAL_WORLD_SIZE), to refuse two ranks on one GPU unless
+    `share_gpus` (gloo, which, unlike NCCL, runs several ranks on one GPU: tests and checks).
     """
     who = f"rank {local_rank if rank is None else rank} (local_rank {local_rank})"
     if spec.startswith("cuda:") and world_size > 1:
@@ -219,7 +223,7 @@ def resolve_device(
                     "CUDA_VISIBLE_DEVICES)"
                 )
             return torch.device("cuda", index)
-        if local_world_size is not None and local_world_size > device_count:
+        if local_world_size is not None and local_world_size > device_count and not share_gpus:
             raise GearsInputError(
                 f"{who}: {local_world_size} processes on this node but only {device_count} "
                 "GPU(s) visible; start one process per GPU (--nproc_per_node / NPROC_PER_NODE)"
@@ -246,7 +250,11 @@ def visible_gpus() -> int:
 
 
 def choose_device(
-    spec: str, local_rank: int = 0, gpu_ids: list | None = None, world_size: int = 1
+    spec: str,
+    local_rank: int = 0,
+    gpu_ids: list | None = None,
+    world_size: int = 1,
+    share_gpus: bool = False,
 ) -> torch.device:
     """resolve_device for this process and node; a CUDA device becomes the current device, so
     that code using the current device (bf16 support checks, new tensors) uses this GPU."""
@@ -261,6 +269,7 @@ def choose_device(
         visible_gpus(),
         rank=int(os.environ.get("RANK", local_rank)),
         local_world_size=int(local_world) if local_world and world_size > 1 else None,
+        share_gpus=share_gpus,
     )
     if dev.type == "cuda":
         torch.cuda.set_device(dev)  # GPU-only
@@ -290,7 +299,7 @@ def init_distributed(
     prepare the data before the group existed); None: env:// rendezvous."""
     slurm_to_env()
     rank, local_rank, world_size = launch_ranks()
-    dev = choose_device(device, local_rank, gpu_ids, world_size)
+    dev = choose_device(device, local_rank, gpu_ids, world_size, share_gpus=backend == "gloo")
     if world_size == 1:
         return DistEnv(0, 0, 1, dev, None)
     if backend == "auto":
@@ -372,7 +381,11 @@ def build_in_stages(
     generous distributed.data_wait_s), never the collective timeout; a failure in a writer is
     passed on so the waiting ranks stop at once with its message.
     """
-    prefix = f"{prefix}/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's agent store outlives a restart: keep each attempt's keys apart (the count
+        # only agrees across nodes for single-node restarts; run_multi_node.sh disables the
+        # shared store, and then every attempt's store is new and holds no stale keys).
+        prefix = f"{prefix}/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     node_key = f"{prefix}/node/{socket.gethostname()}"
     first_key = f"{prefix}/rank0"
     told = f"{prefix}/told"

@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gears import checkpoint as ckpt
 from gears.config import DistributedConfig, ModelConfig, TrainConfig
+from gears.device import to_device, to_host
 from gears.distributed import (
     DistEnv,
     all_gather_objects,
@@ -177,12 +178,12 @@ def graph_buffer_names(net: torch.nn.Module) -> list[str]:
     return [n for n, _ in net.named_buffers() if "edge" in n.rsplit(".", 1)[-1]]
 
 
-def _fault_injection(epoch: int, step: int, env: DistEnv, where: str) -> None:
+def _fault_injection(epoch: int, step: int, env: DistEnv, where: str, resumed: bool) -> None:
     """Test hook: GEARS_FAULT_KILL=<rank|all>:<epoch|step>:<n>[:<SIGNAL>] sends SIGKILL (or the
-    named signal, e.g. TERM) to that rank on the first attempt (a torchrun restart sets
-    TORCHELASTIC_RESTART_COUNT > 0 and disarms it)."""
+    named signal, e.g. TERM) to that rank on the first attempt: a resumed run (every rank of a
+    torchrun restart, including nodes whose TORCHELASTIC_RESTART_COUNT stayed 0) is disarmed."""
     spec = os.environ.get("GEARS_FAULT_KILL")
-    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+    if not spec or resumed or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return
     rank, kind, n, *sig = spec.split(":")
     if rank not in ("all", str(env.rank)) or kind != where:
@@ -245,9 +246,9 @@ class Trainer:
         self.opt = make_optimizer(self.net.parameters(), train_cfg, self.device)
         self.sched = make_scheduler(self.opt, train_cfg)
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.amp_dtype == torch.float16)
-        self.gene_mask = torch.as_tensor(pert_data.non_zero_mask, device=self.device)
-        self.ctrl_mean = torch.as_tensor(
-            pert_data.ctrl_mean, dtype=torch.float32, device=self.device
+        self.gene_mask = to_device(torch.as_tensor(pert_data.non_zero_mask), self.device)
+        self.ctrl_mean = to_device(
+            torch.as_tensor(pert_data.ctrl_mean, dtype=torch.float32), self.device
         )
         self.evaluator = Evaluator(pert_data, env, self.net, control_mean=control_mean)
         self.history = History()
@@ -262,6 +263,7 @@ class Trainer:
         self.stop_requested = False  # set by SIGTERM; acted on at the next step boundary
         self.stop_agreed = False  # some rank got SIGTERM (all-reduced at the last check)
         self.partial = None  # position within an epoch stopped by SIGTERM (resume continues)
+        self.resumed = False  # training continues from a checkpoint
         # The stop / non-finite flags are read on the host every `check_every` optimizer steps:
         # every step on CPU (free), at the logging interval on GPU (a host sync each time).
         self.check_every = 1 if self.device.type == "cpu" else max(train_cfg.log_every, 1)
@@ -353,7 +355,7 @@ class Trainer:
         start = 0  # batches of this epoch already trained on (resumed after a SIGTERM stop)
         if self.partial is not None and self.partial["epoch"] == epoch:
             start, cells = self.partial["batch"], self.partial["cells"]
-            loss_sum += self.partial["loss_sum"][self.env.rank].to(self.device)
+            loss_sum += to_device(self.partial["loss_sum"][self.env.rank], self.device)
         self.partial = None
         skipped_before = self.skipped_steps
         recent: list[tuple[int, int, torch.Tensor]] = []  # (step, batch, condition ids) unchecked
@@ -402,13 +404,13 @@ class Trainer:
                 self.scaler_step()
                 self.opt.zero_grad(set_to_none=True)
                 self.step += 1
-                _fault_injection(epoch, self.step, self.env, "step")
+                _fault_injection(epoch, self.step, self.env, "step", self.resumed)
                 if self.step % self.check_every == 0 or i + 1 == n_batches:
                     stop = self.check_step(epoch, first_bad, recent)
                     recent, first_bad = [], torch.full_like(first_bad, -1)
                     if stop and i + 1 < n_batches:
                         # Each rank's running loss over its shard, so each resumes its own sum.
-                        sums = all_gather_objects(self.env, loss_sum.detach().cpu())
+                        sums = all_gather_objects(self.env, to_host(loss_sum))
                         self.partial = {
                             "epoch": epoch,
                             "batch": i + 1,
@@ -421,7 +423,7 @@ class Trainer:
             if bar is not None:
                 bar.update(1)
                 if (i + 1) % self.cfg.log_every == 0:
-                    value = loss.item()  # the only host sync, at the logging interval
+                    value = to_host(loss).item()  # the only host sync, at the logging interval
                     bar.set_postfix(loss=f"{value:.4f}")
                     if self.wandb is not None:
                         self.wandb.log(
@@ -429,7 +431,7 @@ class Trainer:
                         )
         if bar is not None:
             bar.close()
-        mean_loss = all_reduce_mean(self.env, loss_sum / max(n_batches, 1)).item()
+        mean_loss = to_host(all_reduce_mean(self.env, loss_sum / max(n_batches, 1))).item()
         self.history.skipped_steps.append(self.skipped_steps - skipped_before)
         return mean_loss, cells * self.env.world_size
 
@@ -450,9 +452,9 @@ class Trainer:
         """At a step boundary, agree over ranks on the stop flag (SIGTERM on any rank) and raise
         NonFiniteLossError if any rank saw a NaN/inf loss since the last check."""
         flags = torch.stack(
-            [torch.tensor(float(self.stop_requested)), (first_bad >= 0).float().cpu()]
-        ).to(self.device)
-        stop, bad = all_reduce_max(self.env, flags).tolist()
+            [torch.tensor(float(self.stop_requested)), to_host(first_bad >= 0).float()]
+        )
+        stop, bad = to_host(all_reduce_max(self.env, to_device(flags, self.device))).tolist()
         self.stop_agreed = bool(stop)
         if bad:
             mine = None
@@ -564,7 +566,7 @@ class Trainer:
                 self.save_checkpoint()
             elif self.out_dir is not None and self.stop_agreed:
                 self.save_checkpoint()  # stopping: keep this epoch whatever checkpoint_every says
-            _fault_injection(epoch + 1, self.step, self.env, "epoch")
+            _fault_injection(epoch + 1, self.step, self.env, "epoch", self.resumed)
             if self.stop_agreed and self.epoch < self.cfg.epochs:
                 self.stop_on_signal()
             if stop:
@@ -673,23 +675,48 @@ class Trainer:
             ckpt.prune(folder, keep=2)
         barrier(self.env)
 
-    def resume(self) -> bool:
-        """Continue from the newest readable checkpoint in out_dir/checkpoints, if any."""
-        folder = os.path.join(self.out_dir, "checkpoints")
+    def _load_checkpoint_on_rank_0(self, log) -> dict | None:
+        """The newest readable, compatible checkpoint, read by rank 0 and broadcast: only rank 0
+        writes checkpoints, so on node-local disks the other nodes have none (every rank must
+        resume from the same state, or their epochs and collectives stop matching). A refusal
+        on rank 0 is raised on every rank."""
+        outcome = None
+        if self.env.is_main:
+            folder = os.path.join(self.out_dir, "checkpoints")
+            try:
+                # On the CPU whatever device wrote it: load_state_dict moves weights and
+                # optimizer state to the parameters' device; RNG states must stay CPU tensors.
+                state = ckpt.load_latest(folder, map_location="cpu", log=log)
+                if state is not None:
+                    mid_epoch = bool(state.get("partial"))
+                    expected = {
+                        k: v
+                        for k, v in self.meta().items()
+                        if mid_epoch or k == "vocab_hash" or k.startswith("model.")
+                    }
+                    ckpt.check_compatible(state, state["path"], expected)
+                outcome = (state, None)
+            except GearsInputError as e:
+                outcome = (None, str(e))
+        state, refusal = broadcast_object(self.env, outcome)
+        if refusal is not None:
+            raise GearsInputError(refusal)
+        return state
+
+    def resume(self, asked: bool = True) -> bool:
+        """Continue from the newest readable checkpoint in out_dir/checkpoints, if any, when any
+        rank asks: after a node's worker fails, torchrun counts a restart on that node only
+        (TORCHELASTIC_RESTART_COUNT; the other nodes restart for the membership change without
+        counting), yet every rank must resume. Every rank calls this."""
+        flag = to_device(torch.tensor(float(asked)), self.device)
+        if not to_host(all_reduce_max(self.env, flag)).item():
+            return False
         log = print if self.env.is_main else (lambda *_: None)
-        # On the CPU whatever device wrote it: load_state_dict moves weights and optimizer state
-        # to the parameters' device, and RNG states must stay CPU tensors.
-        state = ckpt.load_latest(folder, map_location="cpu", log=log)
+        state = self._load_checkpoint_on_rank_0(log)
         if state is None:
+            folder = os.path.join(self.out_dir, "checkpoints")
             log(f"train.resume: no checkpoint in {folder}; starting from scratch")
             return False
-        mid_epoch = bool(state.get("partial"))
-        expected = {
-            k: v
-            for k, v in self.meta().items()
-            if mid_epoch or k == "vocab_hash" or k.startswith("model.")
-        }
-        ckpt.check_compatible(state, state["path"], expected)
         self.net.load_state_dict(state["model"])
         # A loaded optimizer state carries the writer's kernel choice (fused or foreach): name
         # this device's kernel before loading, so that load_state_dict places Adam's step
@@ -710,4 +737,5 @@ class Trainer:
         self.partial, self.skipped_steps = state["partial"], state["skipped_steps"]
         where = f", {self.partial['batch']} batches into the next" if self.partial else ""
         log(f"resumed from {state['path']} (epoch {self.epoch}{where}, step {self.step})")
+        self.resumed = True
         return True

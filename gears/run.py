@@ -101,6 +101,13 @@ def load_pert_data(cfg: Config, env: DistEnv, store=None):
             split_dict_path=s.split_dict_path,
             val_size=s.val_size,
         )
+        # The model's graphs belong to the data step too: built here, before any process group
+        # exists, rank 0 first (it caches them in a shared store, which the others then read),
+        # instead of by every rank at once inside model_initialize while collectives wait
+        # (the co-expression graph takes minutes at genome scale).
+        d = cfg.data
+        pd_.go_graph(d.go_top_k, d.go_threshold)
+        pd_.coexpress_graph(d.coexpress_top_k, d.coexpress_threshold)
         return pd_
 
     def staged():

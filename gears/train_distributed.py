@@ -59,7 +59,8 @@ def worker_main(cfg: Config) -> dict | None:
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     # A device contradiction fails here, before any data work or rendezvous.
-    device = choose_device(cfg.device, local_rank, cfg.distributed.gpu_ids, world_size)
+    share = cfg.distributed.backend == "gloo"
+    device = choose_device(cfg.device, local_rank, cfg.distributed.gpu_ids, world_size, share)
     d = cfg.distributed
     store = None
     pert_data = None
@@ -104,6 +105,7 @@ def spawn(cfg: Config, nproc: int | None = None) -> dict | None:
             cfg.distributed.gpu_ids,
             gpus,
             local_world_size=nproc,
+            share_gpus=cfg.distributed.backend == "gloo",
         )
     addr = cfg.distributed.master_addr
     port = cfg.distributed.master_port

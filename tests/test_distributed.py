@@ -69,11 +69,11 @@ class Launched:
     """A command running in the background with stdout/stderr in files (two concurrent
     launchers cannot block on full pipes)."""
 
-    def __init__(self, cmd: list[str], logs: Path, env: dict[str, str]):
+    def __init__(self, cmd: list[str], logs: Path, env: dict[str, str], cwd: Path = ROOT):
         self.out, self.err = logs.with_suffix(".out"), logs.with_suffix(".err")
         self.t0 = time.perf_counter()
         with open(self.out, "w") as out, open(self.err, "w") as err:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=ROOT)
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=cwd)
 
     def wait(self, timeout: float = TIMEOUT_S) -> Launched:
         try:
@@ -101,8 +101,8 @@ class Launched:
         return f"{status} after {self.seconds:.0f}s; stderr tail:\n{self.stderr[-3000:]}"
 
 
-def _launch(logs: Path, *cmd: str, env: dict[str, str] | None = None) -> Launched:
-    return Launched(list(cmd), logs, env or _env())
+def _launch(logs: Path, *cmd: str, env: dict[str, str] | None = None, cwd: Path = ROOT) -> Launched:
+    return Launched(list(cmd), logs, env or _env(), cwd)
 
 
 def _train_args(out_dir: Path, data_dir: Path, *extra: str) -> list[str]:
@@ -246,6 +246,71 @@ def test_run_multi_node_two_nodes_on_localhost(tmp_path):
     assert sum(node.stdout.count(TABLE_HEADER) for node in nodes) == 1
 
 
+def _two_nodes(tmp_path: Path, args: list[str], cwds: list[Path], **env: str) -> list[Launched]:
+    """run_multi_node.sh as node 0 and node 1 on 127.0.0.1, one process each, node k in cwds[k]."""
+    port = str(find_free_port())
+    nodes = [
+        _launch(
+            tmp_path / f"node{rank}",
+            "bash",
+            str(ROOT / "run_multi_node.sh"),
+            *args,
+            env=_env(
+                NNODES="2",
+                NODE_RANK=str(rank),
+                NPROC_PER_NODE="1",
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
+                PYTHON=sys.executable,
+                **env,
+            ),
+            cwd=cwds[rank],
+        )
+        for rank in (0, 1)
+    ]
+    return [node.wait() for node in nodes]
+
+
+@pytest.mark.slow
+def test_restart_on_node_local_disks_resumes_every_rank_from_rank_0s_checkpoint(
+    tmp_path, torchrun_run
+):
+    """Two "nodes" without a shared filesystem: each runs in its own folder with relative
+    out_dir and data_dir (the same path on two local disks). Rank 1 is SIGKILLed mid-epoch 2
+    under MAX_RESTARTS=1; only rank 0's node holds the epoch-1 checkpoint, yet every restarted
+    rank must resume from it and the run must end exactly where the uninterrupted one did."""
+    assert torchrun_run.ok(), torchrun_run.why()
+    reference = _run_dir(torchrun_run)
+    per_epoch = _steps_per_epoch(reference)
+    kill_step = per_epoch + per_epoch // 2 + 1
+    disks = [tmp_path / "disk0", tmp_path / "disk1"]
+    for disk in disks:
+        disk.mkdir()
+    nodes = _two_nodes(
+        tmp_path,
+        _train_args(Path("run"), Path("data")),
+        disks,
+        MAX_RESTARTS="1",
+        GEARS_FAULT_KILL=f"1:step:{kill_step}",
+    )
+    for node in nodes:
+        assert node.ok(), node.why()
+    assert any("exitcode: -9" in node.stderr for node in nodes)  # the fault really happened
+    # c10d assigns the global ranks: rank 0's node alone holds the run folder.
+    written = [disk / "run" for disk in disks if (disk / "run" / "metrics.json").exists()]
+    assert len(written) == 1, written
+    (main,) = [node for node in nodes if TABLE_HEADER in node.stdout]
+    assert "resumed from" in main.stdout and "epoch_0001.pt (epoch 1," in main.stdout
+    other = disks[1 - disks.index(written[0].parent)]
+    assert not (other / "run" / "checkpoints").exists() or not any(
+        (other / "run" / "checkpoints").iterdir()
+    )
+    _assert_same_weights(written[0], reference)
+    got, want = _metrics(written[0]), _metrics(reference)
+    _assert_same_test_metrics(got, want)
+    assert got["history"]["train_loss"] == pytest.approx(want["history"]["train_loss"], rel=1e-6)
+
+
 def test_run_multi_node_help_names_every_variable():
     result = subprocess.run(
         ["bash", str(ROOT / "run_multi_node.sh"), "--help"],
@@ -355,6 +420,15 @@ def test_slurm_to_env_derives_torch_variables(clean_launch_env):
         "MASTER_PORT": "29500",
     }
     assert launched_externally()
+
+
+def test_master_addr_is_the_first_host_of_the_step_not_of_the_job(clean_launch_env):
+    """A step may run on some of the job's nodes (srun --nodes=2 in a 4-node job, or after a
+    node was excluded): the job's first host is then no rank's host."""
+    for key, value in {**SLURM, "SLURM_STEP_NODELIST": "node[05,07]"}.items():
+        clean_launch_env.setenv(key, value)
+    slurm_to_env()
+    assert os.environ["MASTER_ADDR"] == "node05"
 
 
 def test_slurm_to_env_keeps_what_is_set(clean_launch_env):

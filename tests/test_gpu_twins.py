@@ -86,6 +86,16 @@ def test_device_of_each_rank():
     assert resolve_device("cpu", 3, 4, [0], 4) == torch.device("cpu")
 
 
+def test_gloo_ranks_may_share_a_gpu_nccl_ranks_may_not():
+    """Two ranks on one GPU: refused for NCCL (it rejects duplicate GPUs), allowed for gloo,
+    which benchmarks/gpu_check.py uses to test 2 processes on a 1-GPU machine."""
+    with pytest.raises(GearsInputError, match="2 processes on this node but only 1 GPU"):
+        resolve_device("cuda", 1, 2, None, 1, local_world_size=2)
+    for local_rank in (0, 1):
+        got = resolve_device("cuda", local_rank, 2, None, 1, local_world_size=2, share_gpus=True)
+        assert got == torch.device("cuda", 0)
+
+
 @pytest.mark.slow
 def test_launcher_refuses_cuda_0_with_two_processes_in_one_line(tmp_path):
     """`train_distributed.py --nproc 2 device=cuda:0`: exit 2, one line, before any work (the
@@ -229,6 +239,33 @@ def test_rng_state_keeps_only_this_gpus_state():
     # A state from a GPU machine restores on the CPU (its CUDA part is not for this process).
     set_rng_state({**state, "cuda": [torch.get_rng_state()] * 4}, torch.device("cpu"))
     assert torch.equal(torch.rand(3), expected)
+
+
+def test_the_data_step_builds_the_graphs_and_later_ranks_read_them(tmp_path, monkeypatch):
+    """The co-expression and GO graphs are built in the staged data step (before the process
+    group exists, rank 0 first), not in model_initialize by every rank at once; with the node's
+    shared store the next rank reads rank 0's co-expression graph instead of computing it."""
+    from gears.data import graphs
+    from gears.data.synthetic import make_synthetic, write_gene2go_tsv
+
+    screen = make_synthetic(**TINY)
+    screen.adata.write_h5ad(tmp_path / "screen.h5ad")
+    write_gene2go_tsv(screen.gene2go, tmp_path / "gene2go.tsv.gz")
+    cfg = Config()
+    cfg.data.dataset, cfg.data.data_dir = str(tmp_path / "screen.h5ad"), str(tmp_path / "data")
+    cfg.data.gene2go, cfg.data.store = str(tmp_path / "gene2go.tsv.gz"), "mmap"
+    built = load_pert_data(cfg, DistEnv())
+    d = cfg.data
+    assert ("go", d.go_top_k, d.go_threshold) in built._graphs
+    assert ("coexpress", d.coexpress_top_k, d.coexpress_threshold) in built._graphs
+
+    def recomputed(*args, **kwargs):
+        raise AssertionError("a later rank computed the co-expression graph again")
+
+    monkeypatch.setattr(graphs, "coexpression_graph", recomputed)
+    later = load_pert_data(cfg, DistEnv(1, 1, 2, torch.device("cpu"), None))
+    key = ("coexpress", d.coexpress_top_k, d.coexpress_threshold)
+    assert torch.equal(later._graphs[key].edge_index, built._graphs[key].edge_index)
 
 
 # --------------------------------------------------------------------- DDP buffers (7, 11)
@@ -405,9 +442,12 @@ def test_batch_script_is_not_a_worker(clean_launch_env, step):  # noqa: F811
     assert launched_externally() and batch_script_note() is None
 
 
-def test_srun_gets_cpus_per_task(tmp_path):
-    """run_multi_node.sh in a batch script passes SLURM_CPUS_PER_TASK to srun (since Slurm 22.05
-    srun does not inherit it) and the job's port. A fake srun/scontrol records the call."""
+@pytest.mark.parametrize("step", [None, "batch", "interactive", "4294967290"])
+def test_srun_gets_cpus_per_task(tmp_path, step):
+    """run_multi_node.sh in a batch script or salloc's shell (step ids batch / interactive, as
+    Slurm spells them or numbers them) launches srun, passing SLURM_CPUS_PER_TASK (since Slurm
+    22.05 srun does not inherit it) and the job's port. A fake srun/scontrol records the
+    call."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "srun").write_text('#!/bin/sh\necho "port=$MASTER_PORT srun $*" > "$SRUN_LOG"\n')
@@ -424,6 +464,7 @@ def test_srun_gets_cpus_per_task(tmp_path):
         SRUN_LOG=str(log),
         NPROC_PER_NODE="4",
         PYTHON="true",
+        **({} if step is None else {"SLURM_STEP_ID": step}),
     )
     result = subprocess.run(
         ["bash", str(ROOT / "run_multi_node.sh"), "train.epochs=1"],
