@@ -8,6 +8,7 @@ import dataclasses
 import os
 import random
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -178,18 +179,25 @@ def graph_buffer_names(net: torch.nn.Module) -> list[str]:
     return [n for n, _ in net.named_buffers() if "edge" in n.rsplit(".", 1)[-1]]
 
 
-def _fault_injection(epoch: int, step: int, env: DistEnv, where: str, resumed: bool) -> None:
+def _fault_injection(epoch: int, step: int, env: DistEnv, where: str, resumed: bool) -> bool:
     """Test hook: GEARS_FAULT_KILL=<rank|all>:<epoch|step>:<n>[:<SIGNAL>] sends SIGKILL (or the
     named signal, e.g. TERM) to that rank on the first attempt: a resumed run (every rank of a
-    torchrun restart, including nodes whose TORCHELASTIC_RESTART_COUNT stayed 0) is disarmed."""
+    torchrun restart, including nodes whose TORCHELASTIC_RESTART_COUNT stayed 0) is disarmed;
+    `<...>:TERM:parent` signals the parent process instead (the torchrun agent, as Slurm does).
+    With NAN for the signal (`1:step:5:NAN`) nothing is sent: True at where="loss" tells the loop
+    to make that rank's loss of optimizer step n NaN."""
     spec = os.environ.get("GEARS_FAULT_KILL")
     if not spec or resumed or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        return
+        return False
     rank, kind, n, *sig = spec.split(":")
-    if rank not in ("all", str(env.rank)) or kind != where:
-        return
-    if int(n) == (epoch if where == "epoch" else step):
-        os.kill(os.getpid(), getattr(signal, f"SIG{sig[0]}") if sig else signal.SIGKILL)
+    if rank not in ("all", str(env.rank)):
+        return False
+    if sig == ["NAN"]:
+        return where == "loss" and kind == "step" and int(n) == step
+    if kind == where and int(n) == (epoch if where == "epoch" else step):
+        target = os.getppid() if sig[1:] == ["parent"] else os.getpid()
+        os.kill(target, getattr(signal, f"SIG{sig[0]}") if sig else signal.SIGKILL)
+    return False
 
 
 @dataclass
@@ -389,6 +397,8 @@ class Trainer:
             )
             with sync:
                 loss = self.loss_on(batch, layout)
+                if _fault_injection(epoch, self.step + 1, self.env, "loss", self.resumed):
+                    loss = loss * float("nan")
                 self.scaler.scale(loss / accum).backward()
             if not self.scaler.is_enabled():  # with GradScaler, a non-finite step is skipped
                 bad = (first_bad < 0) & ~torch.isfinite(loss.detach())
@@ -465,13 +475,21 @@ class Trainer:
             seen = [r for r in all_gather_objects(self.env, mine) if r is not None]
             rank, step, batch_no, names = seen[0]
             where = f" on rank {rank}" if self.env.distributed else ""
-            raise NonFiniteLossError(
+            error = NonFiniteLossError(
                 f"the training loss became NaN or infinite at epoch {epoch + 1}, step {step} "
                 f"(batch {batch_no} of the epoch){where}; the batch's conditions: "
                 f"{names[:20]}{' ...' if len(names) > 20 else ''}. No checkpoint was written "
                 "after it. Lower train.lr, keep train.grad_clip > 0, try train.precision=fp32, "
                 "or check these conditions' expression values (NaN, huge raw counts)"
             )
+            if self.env.distributed:
+                # Every rank stops on this one error: rank 0 prints it, once, and before any
+                # rank leaves (a launcher ends the other workers when the first one exits).
+                if self.env.is_main:
+                    print(f"error: {error}", file=sys.stderr, flush=True)
+                barrier(self.env)
+                error.reported = True
+            raise error
         return bool(stop)
 
     # ------------------------------------------------------------------------------ training

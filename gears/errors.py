@@ -4,6 +4,8 @@
 class GearsInputError(ValueError):
     """Raised for bad data, bad config or bad arguments. Entry points print it without a trace."""
 
+    reported = False  # already printed (by rank 0, for an error that every rank raises)
+
 
 class DownloadError(GearsInputError):
     """A file could not be fetched or failed verification; the message says what to fetch where."""

@@ -379,5 +379,6 @@ def guarded(main):
     except TrainingStopped:
         sys.exit(0)
     except GearsInputError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        if not e.reported:
+            print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)

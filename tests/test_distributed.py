@@ -115,10 +115,12 @@ def _spawn_run(tmp: Path, *extra: str, env=None) -> Launched:
     return _launch(tmp / "log", sys.executable, script, "--nproc", "2", *args, env=env).wait()
 
 
-def _torchrun(tmp: Path, *torchrun_args: str, env=None, timeout: float = TIMEOUT_S) -> Launched:
+def _torchrun(
+    tmp: Path, *torchrun_args: str, env=None, timeout: float = TIMEOUT_S, extra=()
+) -> Launched:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     cmd += [*torchrun_args, str(ROOT / "train_distributed.py")]
-    cmd += _train_args(tmp / "run", tmp / "data")
+    cmd += _train_args(tmp / "run", tmp / "data", *extra)
     return _launch(tmp / "log", *cmd, env=env).wait(timeout)
 
 
@@ -534,3 +536,90 @@ def test_sigterm_on_one_rank_then_resume_equals_uninterrupted(tmp_path, spawn_ru
     writes = audited_writes(tmp_path / "audit")
     assert any(rank == "0" and "run/.metrics.json.tmp" in path for rank, _, path in writes)
     assert [w for w in writes if w[0] != "0"] == []
+
+
+@pytest.mark.slow
+def test_sigterm_on_both_ranks_at_once_writes_one_checkpoint_then_resumes(tmp_path, spawn_run):
+    """Both ranks get SIGTERM at the same step (a preempted node): they agree to stop there,
+    rank 0 writes the stop checkpoint once (every write audited), both exit 0, and
+    train.resume=true ends where the uninterrupted run ended."""
+    from helpers import audit_env, audited_writes
+
+    assert spawn_run.ok(), spawn_run.why()
+    audit = audit_env(tmp_path / "audit", tmp_path / "work")
+    work = tmp_path / "work"
+    work.mkdir()
+    stop_at = _steps_per_epoch(_run_dir(spawn_run)) + 2
+    stopped = _spawn_run(work, env=_env(GEARS_FAULT_KILL=f"all:step:{stop_at}:TERM", **audit))
+    assert stopped.ok(), stopped.why()
+    assert stopped.stdout.count("SIGTERM received") == 1
+    assert f"SIGTERM received: stopped at epoch 2, step {stop_at}" in stopped.stdout
+    folder = work / "run" / "checkpoints"
+    names = [p.name for p in ckpt.list_checkpoints(folder)]
+    assert names == ["epoch_0001.pt", "epoch_0001_step_000002.pt"]
+    assert sorted(p.name for p in folder.iterdir()) == names  # no temp file left
+    writes = audited_writes(tmp_path / "audit")
+    into_place = [w for w in writes if w[1] == "os.rename" and f"/.{names[1]}.tmp" in w[2]]
+    assert [w[0] for w in into_place] == ["0"]  # written once, by rank 0
+    assert [w for w in writes if w[0] != "0"] == []
+    assert not (work / "run" / "metrics.json").exists()
+    resumed = _spawn_run(work, "train.resume=true")
+    assert resumed.ok(), resumed.why()
+    assert f"resumed from {folder / names[1]} (epoch 1, 2 batches into the next" in resumed.stdout
+    want = _metrics_without_timing(_run_dir(spawn_run))
+    assert _metrics_without_timing(work / "run") == want
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_torchrun_agent_stops_the_workers_cleanly(tmp_path, torchrun_run):
+    """Slurm signals the launcher: SIGTERM to the torchrun agent (sent by rank 0's parent
+    hook during epoch 2, so that training is certainly under way). The agent forwards it to both
+    workers, which agree to stop, write one checkpoint and leave within torchrun's grace period
+    (no SIGKILL); torchrun itself then exits 1 on its own SignalException, as it always does.
+    Resuming under torchrun ends where the uninterrupted run ended."""
+    assert torchrun_run.ok(), torchrun_run.why()
+    reference = _run_dir(torchrun_run)
+    at = _steps_per_epoch(reference) + 2
+    run = _torchrun(tmp_path, env=_env(GEARS_FAULT_KILL=f"0:step:{at}:TERM:parent"))
+    assert run.returncode == 1, run.why()
+    assert "SignalException: Process" in run.stderr and "got signal: 15" in run.stderr
+    assert run.stderr.count("closing signal SIGTERM") == 2, run.why()  # forwarded to both
+    assert "Unable to shutdown process" not in run.stderr, run.why()  # no SIGKILL needed
+    assert run.stdout.count("SIGTERM received: stopped at") == 1, run.stdout[-2000:]
+    folder = tmp_path / "run" / "checkpoints"
+    names = [p.name for p in ckpt.list_checkpoints(folder)]
+    assert names[0] == "epoch_0001.pt" and len(names) == 2, names
+    assert sorted(p.name for p in folder.iterdir()) == names
+    assert not (tmp_path / "run" / "metrics.json").exists()
+    resumed = _torchrun(tmp_path, extra=("train.resume=true",))
+    assert resumed.ok(), resumed.why()
+    assert f"resumed from {folder / names[1]}" in resumed.stdout
+    _assert_same_weights(tmp_path / "run", reference)
+    assert _metrics_without_timing(tmp_path / "run") == _metrics_without_timing(reference)
+
+
+@pytest.mark.slow
+def test_nan_loss_on_one_rank_stops_every_rank_with_one_message(tmp_path, spawn_run):
+    """Rank 1 alone sees a NaN loss, at the last step of epoch 2: both ranks agree at the
+    step-boundary all-reduce and stop before the epoch-end checkpoint; rank 0 prints the
+    message (rank, step, the batch's conditions) once, before any rank exits; status 2, no
+    traceback, no hang; the epoch-1 checkpoint is the only one and intact."""
+    assert spawn_run.ok(), spawn_run.why()
+    per_epoch = _steps_per_epoch(_run_dir(spawn_run))
+    bad = 2 * per_epoch
+    run = _spawn_run(tmp_path, env=_env(GEARS_FAULT_KILL=f"1:step:{bad}:NAN"))
+    assert run.returncode == 2, run.why()
+    message = (
+        f"error: the training loss became NaN or infinite at epoch 2, step {bad} "
+        f"(batch {per_epoch} of the epoch) on rank 1; the batch's conditions: ['"
+    )
+    assert run.stderr.count("the training loss became NaN") == 1, run.stderr[-3000:]
+    assert message in run.stderr and "No checkpoint was written after it" in run.stderr
+    assert "Traceback" not in run.stderr
+    assert "epoch 2/3:" not in run.stdout  # the epoch never finished
+    folder = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in folder.iterdir()) == ["epoch_0001.pt"]
+    state = ckpt.load(folder / "epoch_0001.pt")
+    assert (state["epoch"], state["step"], state["partial"]) == (1, per_epoch, None)
+    assert all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point())
+    assert not (tmp_path / "run" / "metrics.json").exists()

@@ -392,7 +392,81 @@ def test_backed_detects_the_condition_column_and_refuses_counts(tmp_path, screen
     assert backed.condition_key == "perturbation" and backed.store is not None
     assert backed.conditions == memory.conditions
     assert backed.condition_spelling["ctrl"] == "control"
-    with pytest.raises(GearsInputError, match="data.store=memory"):
+    # Log-normalised values with normalize=log1p: refused out of core as in memory.
+    with pytest.raises(GearsInputError, match="expects raw counts"):
         PertData(tmp_path / "data", gene2go=go, store="mmap", verbose=False).load(
             data_path=path, normalize="log1p"
         )
+
+
+# ---------------------------------------------------- raw counts out of core, as in memory
+def counts_screen(n_cells: int = 700, n_genes: int = 60, seed: int = 1) -> ad.AnnData:
+    """Raw UMI-like integer counts (max well above RAW_COUNT_MAX), one all-zero cell."""
+    rng = np.random.default_rng(seed)
+    adata = random_screen(n_cells=n_cells, n_genes=n_genes, n_conditions=10, seed=seed)
+    rate = np.exp(2.0 * adata.X.toarray()) - 1  # log-like values back to a counts scale
+    X = rng.poisson(rate * rng.uniform(0.5, 4.0, (n_cells, 1))).astype(np.float32)
+    X[3] = 0  # a cell without counts: left as zeros, outside the median total
+    adata.X = sp.csr_matrix(X)
+    return adata
+
+
+@pytest.fixture()
+def counts_file(tmp_path) -> tuple[Path, Path]:
+    adata = counts_screen()
+    assert adata.X.max() > 100 and float(adata.X.sum(axis=1).min()) == 0
+    path = tmp_path / "counts.h5ad"
+    adata.write_h5ad(path)
+    go = write_gene2go(tmp_path / "go.tsv", tiny_gene2go(list(adata.var_names)))
+    return path, go
+
+
+def test_backed_refuses_raw_counts_with_the_in_memory_message(tmp_path, counts_file):
+    path, go = counts_file
+    with pytest.raises(GearsInputError, match="looks like raw counts") as memory:
+        load(tmp_path, path, go, "memory")
+    with pytest.raises(GearsInputError, match="looks like raw counts") as backed:
+        load(tmp_path, path, go, "mmap")
+    assert str(backed.value) == str(memory.value)
+    assert store_dirs(tmp_path) == []  # nothing half-built left behind
+
+
+@pytest.mark.parametrize("layout", ["dense", "csr"])
+def test_backed_normalises_counts_like_in_memory(tmp_path, counts_file, monkeypatch, layout):
+    """data.normalize=log1p out of core: the same median target, the same normalised matrix
+    (bit for bit), means, DE tables and report as scanpy's normalize_total + log1p in memory;
+    the normalised store is not reused for the unnormalised file."""
+    path, go = counts_file
+    if layout == "csr":
+        monkeypatch.setattr(store, "DENSE_STORE_LIMIT_BYTES", 0)
+
+    def log1p(mode: str) -> PertData:
+        return PertData(
+            tmp_path / "data", gene2go=go, store=mode, verbose=False, chunk_cells=97
+        ).load(data_path=path, normalize="log1p")
+
+    memory, backed = log1p("memory"), log1p("mmap")
+    assert backed.store is not None and backed.store.meta["layout"] == layout
+    assert memory.normalize_target_sum > 0
+    assert backed.normalize_target_sum == memory.normalize_target_sum
+    assert backed.report["normalize"] == memory.report["normalize"]
+    assert backed.conditions == memory.conditions
+    rows = np.arange(700)
+    np.testing.assert_array_equal(backed.expr.rows(rows).numpy(), memory.expr.rows(rows).numpy())
+    assert float(backed.expr.rows(rows).max()) < 10  # log1p scale, not counts
+    for name in ("cell_condition", "de_ranked_idx", "non_dropout_de_idx", "non_zero_mask"):
+        np.testing.assert_array_equal(getattr(backed, name), getattr(memory, name), err_msg=name)
+    np.testing.assert_allclose(backed.condition_means(), memory.condition_means(), atol=1e-6)
+    with pytest.raises(GearsInputError, match="looks like raw counts"):
+        load(tmp_path, path, go, "mmap")  # normalize=none: refused, not the log1p store
+    # Already log-normalised values with normalize=log1p: the in-memory refusal, word for word.
+    logged = tmp_path / "logged.h5ad"
+    ad.AnnData(X=memory.expr.rows(rows).numpy(), obs=ad.read_h5ad(path).obs).write_h5ad(logged)
+    errors = []
+    for mode in ("memory", "mmap"):
+        with pytest.raises(GearsInputError, match="expects raw counts") as err:
+            PertData(tmp_path / "data", gene2go=go, store=mode, verbose=False).load(
+                data_path=logged, normalize="log1p"
+            )
+        errors.append(str(err.value))
+    assert errors[0] == errors[1]

@@ -106,6 +106,19 @@ def check_not_raw_counts(values: np.ndarray, sample: int = 10_000_000) -> None:
         )
 
 
+def not_counts_error() -> GearsInputError:
+    """data.normalize=log1p on values that are not all integers."""
+    return GearsInputError(
+        "data.normalize=log1p expects raw counts in adata.X, but it holds non-integer "
+        "values (already normalised?); set data.normalize=none for log-normalised data"
+    )
+
+
+def check_normalize(method: str) -> None:
+    if method not in ("none", "log1p"):
+        raise GearsInputError(f"normalize must be 'none' or 'log1p', got {method!r}")
+
+
 UNMAPPED_PERTS = ("error", "drop", "keep")
 
 
@@ -268,21 +281,14 @@ class PertData:
             raise GearsInputError(f"no .h5ad file at {path}")
         name = data_name or (path.parent.name if path.name == PROCESSED_NAME else path.stem)
         if self._wants_store(path):
-            if normalize != "none":
-                if self.store_mode == "mmap":
-                    raise GearsInputError(
-                        f"data.store=mmap processes {path.name} out of core, which needs "
-                        "log-normalised X; normalize the file first (sc.pp.normalize_total, "
-                        "sc.pp.log1p) or use data.store=memory with data.normalize=log1p"
-                    )
-            else:
-                return self.process_backed(
-                    name,
-                    path,
-                    subset=subset,
-                    condition_key=condition_key,
-                    control_names=tuple(control_names),
-                )
+            return self.process_backed(
+                name,
+                path,
+                subset=subset,
+                condition_key=condition_key,
+                control_names=tuple(control_names),
+                normalize=normalize,
+            )
         adata = ad.read_h5ad(path)
         for column, wanted in (subset or {}).items():
             if column not in adata.obs:
@@ -427,18 +433,14 @@ class PertData:
     def _normalize(self, X, method: str, copy: bool):
         """normalize='log1p': raw counts -> log1p(counts scaled to the median cell total)."""
         self.normalize_target_sum = None
+        check_normalize(method)
         if method == "none":
             return X
-        if method != "log1p":
-            raise GearsInputError(f"normalize must be 'none' or 'log1p', got {method!r}")
         import scanpy as sc
 
         values = _finite_values(X)
         if np.size(values) and np.any(values != np.round(values)):
-            raise GearsInputError(
-                "data.normalize=log1p expects raw counts in adata.X, but it holds non-integer "
-                "values (already normalised?); set data.normalize=none for log-normalised data"
-            )
+            raise not_counts_error()
         totals = np.asarray(X.sum(axis=1)).ravel()
         target = float(np.median(totals[totals > 0])) if (totals > 0).any() else 1.0
         work = ad.AnnData(X=X.copy() if copy else X)
@@ -808,7 +810,12 @@ class PertData:
         return self.data_dir / dataset_name / "store"
 
     def _store_params(
-        self, condition_key: str, sep: str, control_names: tuple[str, ...], subset: dict | None
+        self,
+        condition_key: str,
+        sep: str,
+        control_names: tuple[str, ...],
+        subset: dict | None,
+        normalize: str = "none",
     ) -> dict:
         """Every parameter the processed result depends on (the store key is a hash of these)."""
         from gears.data.store import DENSE_STORE_LIMIT_BYTES, input_fingerprint
@@ -816,7 +823,10 @@ class PertData:
         def fingerprint(path) -> dict | None:
             return input_fingerprint(path) if path is not None else None
 
+        # normalize joins the key only when used: stores built before it existed stay valid.
+        normalized = {"normalize": normalize} if normalize != "none" else {}
         return {
+            **normalized,
             "condition_key": condition_key,
             "sep": sep,
             "control_names": sorted(control_names),
@@ -841,6 +851,7 @@ class PertData:
         sep: str = "+",
         control_names: tuple[str, ...] = (),
         subset: dict | None = None,
+        normalize: str = "none",
     ) -> PertData:
         """Process an .h5ad out of core into the shared store (or reuse it), then serve from it.
 
@@ -850,9 +861,11 @@ class PertData:
         writes the kept rows to the store. The store lives in `store_dir` (default
         <data_dir>/<dataset>/store) under a key over the input and every processing parameter,
         so a second process (another rank) with the same inputs memory-maps it instead.
+        Raw counts are refused, or normalised with normalize='log1p', as new_data_process does.
         """
         from gears.data import store as store_mod
 
+        check_normalize(normalize)
         path = Path(path)
         t0 = time.perf_counter()
         backed = ad.read_h5ad(path, backed="r")  # obs and var only; X stays on disk
@@ -865,7 +878,7 @@ class PertData:
                 )
             key = store_mod.store_key(
                 store_mod.input_fingerprint(path),
-                self._store_params(chosen, sep, control_names, subset),
+                self._store_params(chosen, sep, control_names, subset, normalize),
             )
             root = self._store_root(dataset_name)
             opened = store_mod.open_store(root, key)
@@ -880,6 +893,7 @@ class PertData:
                     sep=sep,
                     control_names=control_names,
                     subset=subset,
+                    normalize=normalize,
                 )
                 opened = store_mod.open_store(root, key)
                 if opened is None:
@@ -915,8 +929,10 @@ class PertData:
         sep: str,
         control_names: tuple[str, ...],
         subset: dict | None,
+        normalize: str = "none",
     ) -> None:
-        """One chunked pass over the backed file -> a committed store (temp dir + rename)."""
+        """One chunked pass over the backed file -> a committed store (temp dir + rename).
+        normalize='log1p' reads the file twice: cell totals (the median target) first."""
         import h5py
 
         from gears.data import store as store_mod
@@ -988,6 +1004,27 @@ class PertData:
             index_dtype=np.int32 if (nnz or 0) < 2**31 - 1 else np.int64,
         )
         try:
+            # Raw counts: what check_not_raw_counts reads in memory (the subset's cells, the
+            # dropped conditions' included), or normalised as _normalize does.
+            probe, inspect, transform = stream.CountsProbe(), None, None
+            if normalize == "log1p":
+                totals = stream.count_totals(backed.X, backed.n_obs, codes >= 0, self.chunk_cells)
+                target = float(np.median(totals[totals > 0])) if (totals > 0).any() else 1.0
+                self.report["normalize"] = {"method": normalize, "target_sum": target}
+                self._log(
+                    f"normalised raw counts: each cell scaled to {target:.0f} counts (the "
+                    "median), then log1p"
+                )
+
+                def transform(block):
+                    return stream.normalize_log1p(block, target)
+            else:
+
+                def inspect(start, block):
+                    probe.add(block[np.flatnonzero(keep[start : start + block.shape[0]])])
+                    if probe.seen >= probe.sample:  # decided: no need to read on
+                        check_not_raw_counts(probe.summary())
+
             stats = stream.stream_condition_stats(
                 backed.X,
                 backed.n_obs,
@@ -996,7 +1033,10 @@ class PertData:
                 len(names),
                 self.chunk_cells,
                 sink=writer.append_rows,
+                inspect=inspect,
+                transform=transform,
             )
+            check_not_raw_counts(probe.summary())
             if stats.max_value > 50:
                 self._log(
                     f"warning: max expression {stats.max_value:.1f} looks like raw "
@@ -1046,6 +1086,7 @@ class PertData:
         self.store = opened
         self.dataset_name = dataset_name
         self.report = opened.meta.get("report", {})
+        self.normalize_target_sum = self.report.get("normalize", {}).get("target_sum")
         self.gene_names = pd.Index(t["gene_names"].astype(str))
         self.node_map = {g: i for i, g in enumerate(self.gene_names)}
         self.conditions = [str(c) for c in t["conditions"]]

@@ -3,6 +3,8 @@
 The pass validates each chunk (NaN/inf/negative), accumulates per-condition sums and sums of
 squares (all that the means, the dropout sets and scanpy's t-test need) and hands the kept rows
 to a sink (the store writer). Memory is O(chunk + conditions x genes), never the whole matrix.
+Raw counts are told apart (CountsProbe) or normalised per chunk (count_totals, then
+normalize_log1p) exactly as the in-memory path does on the whole matrix.
 """
 
 from __future__ import annotations
@@ -84,6 +86,67 @@ def _add_group_sums(out: np.ndarray, codes: np.ndarray, block, square: bool) -> 
     out[uniq] += np.add.reduceat(values[order].astype(np.float64), starts, axis=0)
 
 
+def _values(block) -> np.ndarray:
+    return block.data if sp.issparse(block) else block
+
+
+def _rows(block, mask: np.ndarray):
+    return block if mask.all() else block[np.flatnonzero(mask)]
+
+
+@dataclass
+class CountsProbe:
+    """What the in-memory raw-counts check reads (gears.data.pertdata.check_not_raw_counts):
+    the first `sample` stored values in row order, here gathered chunk by chunk."""
+
+    sample: int = 10_000_000
+    seen: int = 0
+    integer: bool = True
+    max_value: float = float("-inf")
+
+    def add(self, block) -> None:
+        head = np.asarray(_values(block)).reshape(-1)[: max(self.sample - self.seen, 0)]
+        if head.size:
+            self.seen += head.size
+            self.max_value = max(self.max_value, float(head.max()))
+            self.integer = self.integer and np.array_equal(head, np.round(head))
+
+    def summary(self) -> np.ndarray:
+        """Values with the same maximum and integer-ness as those seen (for the check)."""
+        if not self.seen:
+            return np.zeros(0, np.float32)
+        return np.array([self.max_value] + ([] if self.integer else [0.5]))
+
+
+def count_totals(X, n_rows: int, keep: np.ndarray, chunk_cells: int) -> np.ndarray:
+    """data.normalize=log1p, first pass: validate every chunk, refuse non-integer values in the
+    kept rows (with the in-memory message) and return their totals [kept cells] as the
+    in-memory path sums them (float32 rows of the float32 matrix)."""
+    from gears.data.pertdata import not_counts_error
+
+    totals = []
+    for start, block in iter_row_chunks(X, n_rows, chunk_cells):
+        check_block(block, start)
+        block = _rows(block, keep[start : start + block.shape[0]])
+        values = _values(block)
+        if values.size and np.any(values != np.round(values)):
+            raise not_counts_error()
+        totals.append(np.asarray(block.sum(axis=1)).ravel())
+    return np.concatenate(totals) if totals else np.zeros(0, np.float32)
+
+
+def normalize_log1p(block, target_sum: float):
+    """One chunk of kept rows scaled to `target_sum` counts per cell, then log1p: scanpy's
+    normalize_total + log1p, row by row the values the in-memory path computes."""
+    import anndata as ad
+    import scanpy as sc
+
+    work = ad.AnnData(X=block)
+    sc.pp.normalize_total(work, target_sum=target_sum)
+    sc.pp.log1p(work)
+    return work.X
+
+
 def stream_condition_stats(
     X,
     n_rows: int,
@@ -92,23 +155,31 @@ def stream_condition_stats(
     n_genes: int,
     chunk_cells: int,
     sink: Callable[[object], None] | None = None,
+    inspect: Callable[[int, object], None] | None = None,
+    transform: Callable[[object], object] | None = None,
 ) -> ConditionStats:
     """One pass over the rows of X: validate, accumulate per-condition statistics, feed `sink`.
 
     codes [n_rows] int: each cell's condition, -1 for cells to drop (not summed, not sunk).
     sink receives each chunk's kept rows in order (e.g. StoreWriter.append_rows).
+    inspect(first row, chunk) sees every validated chunk, dropped rows included (the raw-counts
+    probe); transform maps the kept rows before anything is summed or sunk (normalisation).
     """
     sums = np.zeros((n_conditions, n_genes))
     sumsq = np.zeros((n_conditions, n_genes))
     max_value = 0.0
     for start, block in iter_row_chunks(X, n_rows, chunk_cells):
         check_block(block, start)
+        if inspect is not None:
+            inspect(start, block)
         block_codes = codes[start : start + block.shape[0]]
         keep = block_codes >= 0
         if not keep.all():
             block, block_codes = block[np.flatnonzero(keep)], block_codes[keep]
         if block.shape[0] == 0:
             continue
+        if transform is not None:
+            block = transform(block)
         values = block.data if sp.issparse(block) else block
         if values.size:
             max_value = max(max_value, float(values.max()))
