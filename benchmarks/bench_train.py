@@ -153,58 +153,79 @@ class BareCellLayers(nn.Module):
         return w * self.w2[:, 0] + cross @ self.w2[:, 1:].t() + self.b2
 
 
-def bare_runner(genes: int, hidden: int, rows: int, precision: str, steps: int = 1):
+def bare_runner(genes: int, hidden: int, rows: int, precision: str, steps: int = 1, device="cpu"):
     """A closure doing `steps` forward + backward + Adam steps of BareCellLayers on `rows` rows
-    -> the cells they stand for (`rows` per step). Adam runs the engine's kernel (fused on CPU),
-    so the bound is no slower than the engine where both do the same work."""
-    from gears.engine import optimizer_kernel
+    -> the cells they stand for (`rows` per step). Adam runs the engine's kernel (fused on CPU
+    and CUDA), so the bound is no slower than the engine where both do the same work; fp16
+    (CUDA) steps through a GradScaler, as the engine's do. On CUDA the closure does not
+    synchronise: the caller times it between synchronisations."""
+    from gears.engine import autocast_dtype, optimizer_kernel
 
+    device = torch.device(device)
     torch.manual_seed(0)
-    model = BareCellLayers(genes, hidden)
-    kernel = optimizer_kernel("adam", torch.device("cpu"))
+    model = BareCellLayers(genes, hidden).to(device)
+    kernel = optimizer_kernel("adam", device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, weight_decay=5e-4, **kernel)
-    h = torch.randn(rows * genes, hidden)
-    y = torch.randn(rows, genes)
-    dtype = torch.bfloat16 if precision == "bf16" else None
+    h = torch.randn(rows * genes, hidden, device=device)
+    y = torch.randn(rows, genes, device=device)
+    dtype = autocast_dtype(precision, device)
+    scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
 
     def run() -> int:
         for _ in range(steps):
             opt.zero_grad(set_to_none=True)
-            with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
                 pred = model(h)
             loss = torch.nn.functional.mse_loss(pred.float(), y)
-            loss.backward()
-            opt.step()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
         return rows * steps
 
     return run
 
 
-def make_trainer(pert_data, net, args, batching: str, precision: str):
+def make_trainer(
+    pert_data, net, args, batching: str, precision: str, device="cpu", tf32: bool = False
+):
+    """The engine's Trainer and training loader for one configuration. On CUDA the loader keeps
+    the expression matrix on the GPU when it fits (the path train_single.py takes)."""
     from gears.config import ModelConfig, TrainConfig
     from gears.distributed import DistEnv
     from gears.engine import Trainer
 
+    device = torch.device(device)
     cfg = TrainConfig(
         epochs=1,
         batch_size=args.batch,
         precision=precision,
+        tf32=tf32,
         batching=batching,
         cells_per_group=GROUP_CELLS,
         limit_batches=args.steps,
     )
-    trainer = Trainer(net, pert_data, cfg, ModelConfig(hidden_size=args.hidden), DistEnv())
+    env = DistEnv(device=device)
+    trainer = Trainer(net, pert_data, cfg, ModelConfig(hidden_size=args.hidden), env)
     loader = pert_data.get_dataloader(
-        args.batch, 128, batching=batching, cells_per_group=GROUP_CELLS
+        args.batch,
+        128,
+        batching=batching,
+        cells_per_group=GROUP_CELLS,
+        device=device,
+        pin_memory=device.type == "cuda",
     )["train_loader"]
     if len(loader) < args.steps:
         raise SystemExit(f"only {len(loader)} {batching} batches per epoch; lower --steps")
     return trainer, loader
 
 
-def engine_runner(pert_data, net0, args, batching: str, precision: str):
+def engine_runner(
+    pert_data, net0, args, batching: str, precision: str, device="cpu", tf32: bool = False
+):
     """A closure running Trainer.train_epoch on `steps` real batches -> cells trained."""
-    trainer, loader = make_trainer(pert_data, copy.deepcopy(net0), args, batching, precision)
+    trainer, loader = make_trainer(
+        pert_data, copy.deepcopy(net0), args, batching, precision, device, tf32
+    )
     epoch = iter(range(1, 1 << 30))
 
     def run() -> int:
@@ -385,7 +406,8 @@ CELL_GEARS_SCRIPT = textwrap.dedent(
     # that call only (its co-expression step wants CSR back).
     X = pd_.adata.X
     pd_.adata.X = X.toarray()
-    model = GEARS(pd_, device="cpu")
+    device = {device!r}
+    model = GEARS(pd_, device=device)
     pd_.adata.X = X
     model.model_initialize(hidden_size={hidden})
     net = model.model
@@ -397,6 +419,7 @@ CELL_GEARS_SCRIPT = textwrap.dedent(
         for step, batch in enumerate(pd_.dataloader["train_loader"]):
             if step == n:
                 break
+            batch = batch.to(device)  # as its train loop does (a no-op on the CPU)
             opt.zero_grad()
             pred = net(batch)
             loss = loss_fct(pred, batch.y, batch.pert, ctrl=model.ctrl_expression,
@@ -408,11 +431,14 @@ CELL_GEARS_SCRIPT = textwrap.dedent(
         return cells
 
     torch.set_num_threads({threads})  # its DE step (scanpy -> numba) may have reset them
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     run(3)
     rates = []
     for _ in range({repeats}):
+        sync()
         t0 = time.perf_counter()
         cells = run({steps})
+        sync()
         rates.append(cells / (time.perf_counter() - t0))
     print(json.dumps({{"cells_per_s": sorted(rates)[len(rates) // 2],
                       "threads": torch.get_num_threads()}}))
@@ -420,14 +446,21 @@ CELL_GEARS_SCRIPT = textwrap.dedent(
 )
 
 
-def cell_gears_throughput(pert_data, args, work: Path) -> tuple[str, float | None]:
-    """cell-gears's own training loop on the same screen, when the package is installed."""
-    from importlib import metadata
-
-    try:
-        version = metadata.version("cell-gears")
-    except metadata.PackageNotFoundError:
+def cell_gears_throughput(
+    pert_data, args, work: Path, python: str | None = None, device: str = "cpu"
+) -> tuple[str, float | None]:
+    """cell-gears's own training loop on the same screen, when `python` (default: this one)
+    has the package: (status, cells/s or None). device: where its model trains."""
+    python = python or sys.executable
+    probe = subprocess.run(
+        [python, "-P", "-c", "import importlib.metadata as m; print(m.version('cell-gears'))"],
+        cwd=work,
+        capture_output=True,
+        text=True,
+    )
+    if probe.returncode != 0:
         return "not installed", None
+    version = probe.stdout.strip()
     import pickle
 
     import anndata
@@ -470,11 +503,12 @@ def cell_gears_throughput(pert_data, args, work: Path) -> tuple[str, float | Non
         hidden=args.hidden,
         steps=args.steps,
         repeats=args.repeats,
+        device=device,
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     # -P and a neutral cwd: `import gears` must find cell-gears, not this project.
     out = subprocess.run(
-        [sys.executable, "-P", "-c", script],
+        [python, "-P", "-c", script],
         cwd=work,
         env=env,
         capture_output=True,
