@@ -726,8 +726,10 @@ class Trainer:
         rank asks: after a node's worker fails, torchrun counts a restart on that node only
         (TORCHELASTIC_RESTART_COUNT; the other nodes restart for the membership change without
         counting), yet every rank must resume. Every rank calls this."""
-        flag = to_device(torch.tensor(float(asked)), self.device)
-        if not to_host(all_reduce_max(self.env, flag)).item():
+        if self.env.distributed:
+            flag = to_device(torch.tensor(float(asked)), self.device)
+            asked = bool(to_host(all_reduce_max(self.env, flag)).item())
+        if not asked:
             return False
         log = print if self.env.is_main else (lambda *_: None)
         state = self._load_checkpoint_on_rank_0(log)
