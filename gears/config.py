@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
+import math
 import types
 import typing
 from dataclasses import asdict, dataclass, field, fields
@@ -28,7 +30,7 @@ class DataConfig:
     # (keep them without GO edges).
     unmapped_perts: str = "error"
     condition_key: str | None = None  # obs column naming each cell's perturbation; None = detect
-    control_names: list = field(default_factory=list)  # extra spellings of control cells
+    control_names: list[str] = field(default_factory=list)  # extra spellings of control cells
     mirror_url: str | None = None  # base URL replacing the public download host
     # Processed expression that every local rank memory-maps: auto (memory-map when the data
     # is large), memory (each process holds it) or mmap (always the shared store).
@@ -106,7 +108,7 @@ class TrainConfig:
 @dataclass
 class DistributedConfig:
     backend: str = "auto"  # auto (nccl with CUDA, else gloo) | nccl | gloo
-    gpu_ids: list | None = None
+    gpu_ids: list[int] | None = None
     master_addr: str = "127.0.0.1"
     master_port: int = 0  # 0 = pick a free port (mp.spawn launcher)
     timeout_s: int = 1800  # collective timeout; rank-0-only work happens outside collectives
@@ -171,6 +173,51 @@ CHOICES = {
 }
 
 
+INT64 = 2**63
+# Numeric keys: (lowest, highest or None, lowest excluded). Every int must also fit int64 and
+# every float be finite; a value outside is an error naming the key, not a crash later.
+DOMAIN = {
+    "seed": (0, INT64 - 1, False),
+    "split.seed": (0, INT64 - 1, False),
+    "data.chunk_cells": (1, None, False),
+    "data.go_top_k": (1, None, False),
+    "data.go_threshold": (0.0, 1.0, False),
+    "data.coexpress_top_k": (1, None, False),
+    "data.coexpress_threshold": (0.0, 1.0, False),
+    "split.train_gene_set_size": (0.0, 1.0, True),
+    "split.combo_seen2_train_frac": (0.0, 1.0, False),
+    "split.test_size": (0.0, 1.0, True),
+    "split.val_size": (0.0, 1.0, True),
+    "model.hidden_size": (1, None, False),
+    "model.num_go_gnn_layers": (1, None, False),
+    "model.num_gene_gnn_layers": (1, None, False),
+    "model.uncertainty_reg": (0.0, None, False),
+    "model.direction_lambda": (0.0, None, False),
+    "model.direction_temperature": (0.0, None, True),
+    "model.gamma": (0.0, None, False),
+    "train.epochs": (1, None, False),
+    "train.batch_size": (1, None, False),
+    "train.test_batch_size": (1, None, False),
+    "train.lr": (0.0, None, True),
+    "train.weight_decay": (0.0, None, False),
+    "train.step_gamma": (0.0, 1.0, True),
+    "train.grad_clip": (0.0, None, False),
+    "train.grad_accum_steps": (1, None, False),
+    "train.cells_per_group": (1, None, False),
+    "train.block_size": (1, None, False),
+    "train.checkpoint_every": (1, None, False),
+    "train.early_stopping_patience": (0, None, False),
+    "train.limit_batches": (0, None, False),
+    "train.num_workers": (0, None, False),
+    "train.log_every": (1, None, False),
+    "train.plot_conditions": (0, None, False),
+    "train.threads": (0, None, False),
+    "distributed.master_port": (0, 65535, False),
+    "distributed.timeout_s": (1, None, False),
+    "distributed.data_wait_s": (1, None, False),
+}
+
+
 def valid_keys(cls=Config, prefix: str = "") -> list[str]:
     """Every dotted key a config accepts (dict-valued keys accept any sub-key)."""
     keys = []
@@ -203,7 +250,10 @@ def _coerce(value: Any, annotation, key: str) -> Any:
             f"config key {key!r}: cannot read {value!r} as {annotation}; give it a value of "
             "that type (null for none)"
         )
+    name = getattr(annotation, "__name__", annotation)
     try:
+        if value is None:  # null where the key takes none: str(None) would be 'None'
+            raise ValueError
         if annotation is bool:
             if isinstance(value, bool):
                 return value
@@ -215,29 +265,83 @@ def _coerce(value: Any, annotation, key: str) -> Any:
         if annotation is int:
             if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
                 raise ValueError
-            return int(float(value)) if isinstance(value, str) else int(value)
+            number = int(float(value)) if isinstance(value, str) else int(value)
+            if not -INT64 <= number < INT64:
+                raise ValueError
+            return number
         if annotation is float:
-            return float(value)
-        if annotation is str:
-            if isinstance(value, (dict, list)):
+            if isinstance(value, bool):
+                raise ValueError
+            number = float(value)
+            if not math.isfinite(number):
+                raise ValueError
+            return number
+        if annotation is str:  # a YAML yes/no/true is no name: quote it to mean the word
+            if isinstance(value, (dict, list, bool)):
                 raise ValueError
             return str(value)
         if annotation is dict or origin is dict:
-            value = yaml.safe_load(value) if isinstance(value, str) else value
-            if not isinstance(value, dict):
+            value = _yaml_text(value)
+            if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
                 raise ValueError
             return dict(value)
         if annotation is list or origin is list:
-            value = yaml.safe_load(value) if isinstance(value, str) else value
-            if isinstance(value, (int, str)):
+            value = _yaml_text(value)
+            if isinstance(value, (int, float, str)) and not isinstance(value, bool):
                 value = [value]
-            return list(value)
-    except (TypeError, ValueError):
-        name = getattr(annotation, "__name__", annotation)
+            if not isinstance(value, list):
+                raise ValueError
+            item = args[0] if args else None
+            return [_coerce(v, item, key) if item else v for v in value]
+    except (TypeError, ValueError, OverflowError):
         raise GearsInputError(
             f"config key {key!r}: {value!r} is not a valid {name}; give it a {name} value in "
             f"the YAML file or as {key}=<{name}> on the command line"
         ) from None
+    return value
+
+
+def _yaml_text(value: Any) -> Any:
+    """A string holding a YAML list or mapping ('[a, b]', '{n_genes: 50}') read as one."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return yaml.safe_load(value)
+    except yaml.YAMLError:
+        raise ValueError(value) from None
+
+
+def _annotation(dotted: str):
+    """The declared type of a dotted key, or None (unknown keys, sub-keys of a dict key)."""
+    obj = Config()
+    for part in dotted.split("."):
+        if not dataclasses.is_dataclass(obj):
+            return None
+        names = {f.name: f for f in fields(obj)}
+        if part not in names:
+            return None
+        found, obj = names[part], getattr(obj, part)
+    return None if dataclasses.is_dataclass(obj) else found.type
+
+
+def _parse_override(key: str, text: str) -> Any:
+    """`key=text` from the command line: YAML for the value (so 5, 1e-4, [0, 1], {a: 1}, null
+    work), except that a str key keeps the text as typed unless YAML reads it as a string
+    (quotes) or null: yes, on, 0o10, 1_000 or 1.10 are names there, not booleans or numbers."""
+    if not text.strip():
+        return ""
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        first = str(e).strip().splitlines()[0]
+        raise GearsInputError(
+            f"config key {key!r}: cannot read {text!r} ({first}); quote the value or write it "
+            f"as YAML, e.g. {key}='{text}'"
+        ) from None
+    annotation = _annotation(key)
+    wants_text = annotation in (str, "str", "str | None")
+    if wants_text and value is not None and not isinstance(value, str):
+        return text.strip()
     return value
 
 
@@ -248,7 +352,9 @@ def _unknown(key: str) -> GearsInputError:
     return GearsInputError(f"unknown config key {key!r}.{hint} Valid keys: {', '.join(keys)}")
 
 
-def _set(cfg: Config, dotted: str, value: Any) -> None:
+def _set(cfg: Config, dotted: Any, value: Any) -> None:
+    if not isinstance(dotted, str):  # a YAML key such as 1, true or null
+        raise GearsInputError(f"config key {dotted!r} is not a name; keys are words (train, ...)")
     obj, parts = cfg, dotted.split(".")
     for i, part in enumerate(parts):
         names = {f.name: f for f in fields(obj)}
@@ -267,8 +373,10 @@ def _set(cfg: Config, dotted: str, value: Any) -> None:
             obj = current
             continue
         if isinstance(current, dict) and not last:  # free-form dict (data.synthetic)
-            sub = yaml.safe_load(value) if isinstance(value, str) else value
-            current[".".join(parts[i + 1 :])] = sub
+            try:
+                current[".".join(parts[i + 1 :])] = _yaml_text(value)
+            except ValueError:
+                raise GearsInputError(f"config key {dotted!r}: cannot read {value!r}") from None
             return
         if not last:
             raise _unknown(dotted)
@@ -293,7 +401,16 @@ def load_config(
         p = Path(p)
         if not p.exists():
             raise GearsInputError(f"config file {p} does not exist; check the --config path")
-        data = yaml.safe_load(p.read_text()) or {}
+        if not p.is_file():
+            raise GearsInputError(f"config file {p} is not a file; give the path of a YAML file")
+        try:
+            data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        except (UnicodeDecodeError, yaml.YAMLError) as e:
+            first = str(e).strip().splitlines()[0]
+            raise GearsInputError(
+                f"config file {p} is not readable YAML ({first}); fix it or start from "
+                "configs/default.yaml"
+            ) from None
         if not isinstance(data, dict):
             raise GearsInputError(f"config file {p} must hold a mapping of keys, not {type(data)}")
         for k, v in data.items():
@@ -304,21 +421,39 @@ def load_config(
                 f"override {item!r} must look like key=value (e.g. train.epochs=5)"
             )
         key, value = item.split("=", 1)
-        _set(cfg, key.strip(), yaml.safe_load(value) if value.strip() else "")
+        _set(cfg, key.strip(), _parse_override(key.strip(), value))
     _check(cfg)
     return cfg
 
 
 def _check(cfg: Config) -> None:
-    t = cfg.train
-    for key, val in (
-        ("train.epochs", t.epochs),
-        ("train.batch_size", t.batch_size),
-        ("train.grad_accum_steps", t.grad_accum_steps),
-        ("train.checkpoint_every", t.checkpoint_every),
-        ("model.hidden_size", cfg.model.hidden_size),
-    ):
-        if val < 1:
-            raise GearsInputError(f"config key {key!r} must be >= 1, got {val}")
-    if t.lr <= 0:
-        raise GearsInputError(f"config key 'train.lr' must be > 0, got {t.lr}")
+    """Ranges (DOMAIN) and the free-form keys' contents, checked once every source is merged."""
+    for key, (low, high, open_low) in DOMAIN.items():
+        value = cfg
+        for part in key.split("."):
+            value = getattr(value, part)
+        too_low = value <= low if open_low else value < low
+        if too_low or (high is not None and value > high):
+            bound = f"> {low}" if open_low else f">= {low}"
+            where = f"{bound} and <= {high}" if high is not None else bound
+            raise GearsInputError(f"config key {key!r} must be {where}, got {value}")
+    for i in cfg.distributed.gpu_ids or []:
+        if i < 0:
+            raise GearsInputError(f"config key 'distributed.gpu_ids': {i} is not a GPU index")
+    for column, wanted in cfg.data.subset.items():
+        items = wanted if isinstance(wanted, list) else [wanted]
+        if not all(isinstance(w, (str, int, float)) for w in items):
+            raise GearsInputError(
+                f"config key 'data.subset.{column}': {wanted!r}; give a value or a list of "
+                "values of that obs column"
+            )
+    if not cfg.data.synthetic:
+        return
+    from gears.data.synthetic import make_synthetic
+
+    known = set(inspect.signature(make_synthetic).parameters)
+    unknown = sorted(set(cfg.data.synthetic) - known)
+    if unknown:
+        raise GearsInputError(
+            f"config key 'data.synthetic' has unknown keys {unknown}; valid: {sorted(known)}"
+        )

@@ -79,6 +79,12 @@ def validate_adata(adata: ad.AnnData, condition_key: str = "condition") -> None:
             f"adata.X has negative values (min {values.min():.3g}); GEARS expects log-normalised "
             "counts (sc.pp.normalize_total then sc.pp.log1p), not scaled or centred data"
         )
+    if np.size(values) and values.max() > np.finfo(np.float32).max:  # inf once stored
+        raise GearsInputError(
+            f"adata.X has values too large for float32 (max {values.max():.3g}); GEARS expects "
+            "log-normalised counts (sc.pp.normalize_total then sc.pp.log1p)"
+        )
+    check_gene_names(adata)
     names = gene_names_of(adata)
     dup = names[names.duplicated()].unique()
     if len(dup):
@@ -96,7 +102,7 @@ def check_not_raw_counts(values: np.ndarray, sample: int = 10_000_000) -> None:
     loss and metrics assume log-normalised expression; raw counts would train and score without
     any error, on the wrong scale (a wrong result that looks right). A check of the first
     `sample` stored values keeps this cheap on large data."""
-    head = np.asarray(values).reshape(-1)[:sample]
+    head = np.asarray(values).reshape(-1)[:sample].astype(np.float32, copy=False)  # as stored
     if head.size and head.max() > RAW_COUNT_MAX and np.array_equal(head, np.round(head)):
         raise GearsInputError(
             f"adata.X looks like raw counts (every value is an integer, max {head.max():.0f}); "
@@ -119,6 +125,15 @@ def check_normalize(method: str) -> None:
         raise GearsInputError(f"normalize must be 'none' or 'log1p', got {method!r}")
 
 
+def check_control_cells(n_ctrl: int) -> None:
+    """DE tests each condition against the control cells: one cell has no variance."""
+    if n_ctrl < 2:
+        raise GearsInputError(
+            f"only {n_ctrl} control cell: the DE test and the control mean need at least 2; "
+            "add control cells (or label more cells with a control spelling)"
+        )
+
+
 UNMAPPED_PERTS = ("error", "drop", "keep")
 
 
@@ -139,6 +154,19 @@ def resolve_unmapped_perts(unmapped_perts: str | None, keep_unmapped_perts: bool
             )
         return "keep"  # the deprecated alias beats the default
     return unmapped_perts
+
+
+def check_gene_names(adata: ad.AnnData) -> None:
+    """Every gene needs a name: an empty or missing one (str() would make it 'nan' or
+    'None') cannot be perturbed, predicted or matched to a model."""
+    column = adata.var["gene_name"] if "gene_name" in adata.var else adata.var_names.to_series()
+    blank = column.isna().values | (column.astype(str).str.strip() == "").values
+    if blank.any():
+        where = "var['gene_name']" if "gene_name" in adata.var else "var_names"
+        raise GearsInputError(
+            f"{int(blank.sum())} genes have an empty or missing gene name in {where} (rows "
+            f"{np.flatnonzero(blank)[:5].tolist()}); name them or drop those genes"
+        )
 
 
 def gene_names_of(adata: ad.AnnData) -> pd.Index:
@@ -369,6 +397,7 @@ class PertData:
             )
         if (conditions == CTRL).all():
             raise GearsInputError("every cell is a control: the data has no perturbed cells")
+        check_control_cells(int((conditions == CTRL).sum()))
         if normalize != "log1p":  # raw counts would train and score on the wrong scale
             check_not_raw_counts(_finite_values(adata.X))
         # Perturbation genes are checked against GO before the (slower) DE step.
@@ -943,6 +972,7 @@ class PertData:
             raise GearsInputError(
                 f"the AnnData is empty ({backed.n_obs} cells x {backed.n_vars} genes)"
             )
+        check_gene_names(backed)
         if condition_key not in backed.obs:
             raise GearsInputError(
                 f"adata.obs has no {condition_key!r} column naming each cell's perturbation "
@@ -976,6 +1006,7 @@ class PertData:
             )
         if present == [CTRL]:
             raise GearsInputError("every cell is a control: the data has no perturbed cells")
+        check_control_cells(int((conditions[keep] == CTRL).sum()))
         self._resolve_perturbations(present, set(names))
         counts = pd.Series(conditions[keep]).value_counts()
         few = sorted(c for c in counts.index[counts < 2] if c != CTRL)
@@ -993,6 +1024,13 @@ class PertData:
         nnz = None
         with h5py.File(path, "r") as f:
             if isinstance(f["X"], h5py.Group):
+                if f["X"].attrs.get("encoding-type") == "csc_matrix":
+                    raise GearsInputError(
+                        f"{path.name} stores X by column (CSC); out-of-core processing reads "
+                        "rows, which would read the whole matrix per chunk. Rewrite it by rows "
+                        "(adata.X = adata.X.tocsr(); adata.write_h5ad(...)) or use "
+                        "data.store=memory"
+                    )
                 indptr = f["X"]["indptr"][:]
                 nnz = int(np.diff(indptr)[codes >= 0].sum())
         layout = store_mod.choose_layout(n_kept, len(names), nnz)
