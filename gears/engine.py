@@ -31,7 +31,7 @@ from gears.distributed import (
 from gears.errors import GearsInputError, NonFiniteLossError, TrainingStopped
 from gears.evaluate import Evaluator
 from gears.model.losses import gears_loss
-from gears.model.network import pad_rows, use_cell_rows
+from gears.model.network import gather_rows, pad_rows, use_cell_rows
 
 # loss_on(batch, CELL_ROWS): one row per cell instead of one per distinct perturbation.
 CELL_ROWS = "cells"
@@ -300,8 +300,8 @@ class Trainer:
             out = tuple(o[:n_rows] for o in out) if isinstance(out, tuple) else out[:n_rows]
         delta, logvar = out if self.model_cfg.uncertainty else (out, None)
         if to_cells is not None:
-            delta = delta[to_cells]
-            logvar = None if logvar is None else logvar[to_cells]
+            delta = gather_rows(delta, to_cells)  # (a fixed-order gradient sum)
+            logvar = None if logvar is None else gather_rows(logvar, to_cells)
         pred = delta.float() + batch.x
         return gears_loss(
             pred,
