@@ -661,6 +661,7 @@ class Trainer:
             "stale_epochs": self.stale_epochs,
             "history": history,
             "world_size": self.env.world_size,
+            "cpu_threads": torch.get_num_threads(),
         }
 
     def save_checkpoint(self) -> None:
@@ -710,4 +711,11 @@ class Trainer:
         self.partial, self.skipped_steps = state["partial"], state["skipped_steps"]
         where = f", {self.partial['batch']} batches into the next" if self.partial else ""
         log(f"resumed from {state['path']} (epoch {self.epoch}{where}, step {self.step})")
+        threads, now = state.get("cpu_threads"), torch.get_num_threads()
+        if self.device.type == "cpu" and threads is not None and threads != now:
+            log(
+                f"note: this run has {now} CPU threads, the checkpoint's run had {threads}: float "
+                "sums add in another order, so it ends near, not exactly at, where that run "
+                f"would have (train.threads={threads} resumes it exactly)"
+            )
         return True

@@ -235,6 +235,25 @@ def test_checkpoint_truncated_gives_clear_error_previous_loads(tmp_path):
     assert "epoch_0002.pt" in messages[0]
 
 
+def test_resume_at_another_thread_count_says_so(tiny, tmp_path, capsys):
+    """A checkpoint records the CPU threads it was written at: resumed at another count, a run
+    sums in another order and ends near, not at, the uninterrupted result; a note says so."""
+    cfg = TrainConfig(epochs=2)
+    models = [build(tiny) for _ in range(2)]
+    trainers = [Trainer(m.model, tiny, cfg, m.model_config(), DistEnv(), tmp_path) for m in models]
+    torch.set_num_threads(1)  # (the suite's fixture restores the count)
+    trainers[0].save_checkpoint()
+    assert ckpt.load(ckpt.list_checkpoints(tmp_path / "checkpoints")[-1])["cpu_threads"] == 1
+    capsys.readouterr()
+    torch.set_num_threads(2)
+    assert trainers[1].resume()
+    note = "this run has 2 CPU threads, the checkpoint's run had 1"
+    assert note in capsys.readouterr().out
+    torch.set_num_threads(1)
+    assert trainers[1].resume()
+    assert "note:" not in capsys.readouterr().out
+
+
 def test_atomic_save_keeps_old_file_when_writing_fails(tmp_path):
     path = tmp_path / "model.pt"
     ckpt.atomic_save({"ok": 1}, path)
