@@ -33,7 +33,7 @@ from gears.distributed import (
 from gears.errors import GearsInputError, NonFiniteLossError, TrainingStopped
 from gears.evaluate import Evaluator
 from gears.model.losses import gears_loss
-from gears.model.network import pad_rows, use_cell_rows
+from gears.model.network import gather_rows, pad_rows, use_cell_rows
 
 # loss_on(batch, CELL_ROWS): one row per cell instead of one per distinct perturbation.
 CELL_ROWS = "cells"
@@ -310,8 +310,8 @@ class Trainer:
             out = tuple(o[:n_rows] for o in out) if isinstance(out, tuple) else out[:n_rows]
         delta, logvar = out if self.model_cfg.uncertainty else (out, None)
         if to_cells is not None:
-            delta = delta[to_cells]
-            logvar = None if logvar is None else logvar[to_cells]
+            delta = gather_rows(delta, to_cells)  # (a fixed-order gradient sum)
+            logvar = None if logvar is None else gather_rows(logvar, to_cells)
         pred = delta.float() + batch.x
         return gears_loss(
             pred,
@@ -681,6 +681,7 @@ class Trainer:
             "stale_epochs": self.stale_epochs,
             "history": history,
             "world_size": self.env.world_size,
+            "cpu_threads": torch.get_num_threads(),
         }
 
     def save_checkpoint(self) -> None:
@@ -757,5 +758,12 @@ class Trainer:
         self.partial, self.skipped_steps = state["partial"], state["skipped_steps"]
         where = f", {self.partial['batch']} batches into the next" if self.partial else ""
         log(f"resumed from {state['path']} (epoch {self.epoch}{where}, step {self.step})")
+        threads, now = state.get("cpu_threads"), torch.get_num_threads()
+        if self.device.type == "cpu" and threads is not None and threads != now:
+            log(
+                f"note: this run has {now} CPU threads, the checkpoint's run had {threads}: float "
+                "sums add in another order, so it ends near, not exactly at, where that run "
+                f"would have (train.threads={threads} resumes it exactly)"
+            )
         self.resumed = True
         return True

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import anndata as ad
@@ -171,3 +175,34 @@ def audited_writes(audit_dir: Path) -> list[tuple[str, str, str]]:
     for log in Path(audit_dir).glob("writes.*"):
         lines += [tuple(line.split(" ", 2)) for line in log.read_text().splitlines()]
     return lines
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_train_cli(
+    out_dir: Path, data_dir: Path, *extra: str, env=None, threads: int = 1, tiny: bool = True
+):
+    """train_single.py on CPU in a fresh process, wandb off, at `threads` torch threads (set in
+    its environment: the test process's own count says nothing). tiny: the TINY screen, hidden
+    16, 3 epochs; else the default screen and model. `extra` overrides come last."""
+    cmd = [
+        sys.executable,
+        str(ROOT / "train_single.py"),
+        f"out_dir={out_dir}",
+        f"data.data_dir={data_dir}",
+        "wandb.mode=disabled",
+        "device=cpu",
+    ]
+    if tiny:
+        cmd += [f"data.synthetic={TINY_CLI}", "model.hidden_size=16", "train.epochs=3"]
+    n = str(threads)
+    full_env = {**os.environ, "OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n, **(env or {})}
+    return subprocess.run([*cmd, *extra], capture_output=True, text=True, env=full_env, timeout=600)
+
+
+def metrics_without_timing(run_dir: Path) -> dict:
+    """metrics.json without its timing fields (the only part allowed to differ on a rerun)."""
+    metrics = json.loads((Path(run_dir) / "metrics.json").read_text())
+    metrics.pop("timing")
+    return metrics

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import TINY_CLI, tiny_split
+from helpers import metrics_without_timing, run_train_cli, tiny_split
 
 from gears import checkpoint as ckpt
 from gears.api import GEARS
@@ -22,8 +20,6 @@ from gears.data.pertdata import PertData
 from gears.distributed import DistEnv
 from gears.engine import Trainer, autocast_dtype, seed_everything
 from gears.errors import GearsInputError
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -235,6 +231,25 @@ def test_checkpoint_truncated_gives_clear_error_previous_loads(tmp_path):
     assert "epoch_0002.pt" in messages[0]
 
 
+def test_resume_at_another_thread_count_says_so(tiny, tmp_path, capsys):
+    """A checkpoint records the CPU threads it was written at: resumed at another count, a run
+    sums in another order and ends near, not at, the uninterrupted result; a note says so."""
+    cfg = TrainConfig(epochs=2)
+    models = [build(tiny) for _ in range(2)]
+    trainers = [Trainer(m.model, tiny, cfg, m.model_config(), DistEnv(), tmp_path) for m in models]
+    torch.set_num_threads(1)  # (the suite's fixture restores the count)
+    trainers[0].save_checkpoint()
+    assert ckpt.load(ckpt.list_checkpoints(tmp_path / "checkpoints")[-1])["cpu_threads"] == 1
+    capsys.readouterr()
+    torch.set_num_threads(2)
+    assert trainers[1].resume()
+    note = "this run has 2 CPU threads, the checkpoint's run had 1"
+    assert note in capsys.readouterr().out
+    torch.set_num_threads(1)
+    assert trainers[1].resume()
+    assert "note:" not in capsys.readouterr().out
+
+
 def test_atomic_save_keeps_old_file_when_writing_fails(tmp_path):
     path = tmp_path / "model.pt"
     ckpt.atomic_save({"ok": 1}, path)
@@ -294,20 +309,8 @@ def test_gi_predict_returns_gears_keys(tiny):
 
 
 def _run_cli(out_dir: Path, data_dir: Path, *extra: str, env=None) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        str(ROOT / "train_single.py"),
-        f"out_dir={out_dir}",
-        f"data.data_dir={data_dir}",
-        "wandb.mode=disabled",
-        "device=cpu",
-        f"data.synthetic={TINY_CLI}",
-        "model.hidden_size=16",
-        "train.epochs=3",
-        *extra,
-    ]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=600)
+    """The TINY screen, hidden 16, 3 epochs, one thread."""
+    return run_train_cli(out_dir, data_dir, *extra, env=env, threads=1)
 
 
 @pytest.fixture(scope="module")
@@ -317,13 +320,6 @@ def whole_run(tmp_path_factory) -> Path:
     whole = _run_cli(tmp / "whole", tmp / "data")
     assert whole.returncode == 0, whole.stderr[-2000:]
     return tmp / "whole"
-
-
-def _metrics_without_timing(run_dir: Path) -> dict:
-    """metrics.json without its timing fields (the only part allowed to differ on a rerun)."""
-    metrics = json.loads((run_dir / "metrics.json").read_text())
-    metrics.pop("timing")
-    return metrics
 
 
 @pytest.mark.slow
@@ -353,8 +349,8 @@ def test_rerun_gives_identical_metrics_json(tmp_path, whole_run):
     for bit (timing aside). The 2-process check is in tests/test_distributed.py."""
     again = _run_cli(tmp_path / "again", tmp_path / "data")
     assert again.returncode == 0, again.stderr[-2000:]
-    want = _metrics_without_timing(whole_run)
-    assert _metrics_without_timing(tmp_path / "again") == want
+    want = metrics_without_timing(whole_run)
+    assert metrics_without_timing(tmp_path / "again") == want
     assert want["history"]["skipped_steps"] == [0, 0, 0]  # GradScaler skips, recorded per epoch
 
 
@@ -377,7 +373,7 @@ def test_sigterm_mid_epoch_then_resume_equals_uninterrupted(tmp_path, whole_run)
     assert "epoch_0001_step_000003.pt (epoch 1, 3 batches into the next, step 13)" in (
         resumed.stdout
     )
-    assert _metrics_without_timing(run_dir) == _metrics_without_timing(whole_run)
+    assert metrics_without_timing(run_dir) == metrics_without_timing(whole_run)
 
 
 def test_bad_config_key_is_one_clear_line(tmp_path):

@@ -15,6 +15,7 @@ from gears.model.network import (
     _BlockWeightedBatchNormFn,
     all_rows_max_norm,
     csr_to_padded_rows,
+    gather_rows,
     gene_decode,
     output_layer,
 )
@@ -584,6 +585,26 @@ def test_csr_to_padded_rows():
     hub[1:, 0] = 1.0
     csr = hub.to_sparse_csr()
     assert csr_to_padded_rows(csr.crow_indices(), csr.col_indices(), csr.values()) is None
+
+
+def test_gather_rows_sums_gradients_in_index_order():
+    """x[index]'s backward (index_put_ with accumulate) adds float32 rows with atomics across
+    threads on CPU once the gradient has 32,768 elements, so its sums changed from call to call
+    (10 of 10 calls differed from the ordered sum, measured). gather_rows' gradient is the sum in
+    index order, bit for bit, at 2 threads; its forward is x[index]."""
+    torch.set_num_threads(2)  # (the suite's fixture restores the count)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(50, 64, generator=gen).requires_grad_()
+    index = torch.randint(0, 50, (40, 2, 20), generator=gen)  # a batch's GO neighbour lists
+    grad = torch.randn(40, 2, 20, 64, generator=gen)  # 102,400 elements
+    want = torch.zeros(50, 64)
+    for j, i in enumerate(index.reshape(-1).tolist()):
+        want[i] += grad.reshape(-1, 64)[j]
+    assert torch.equal(gather_rows(x, index), x[index])
+    for _ in range(10):
+        x.grad = None
+        gather_rows(x, index).backward(grad)
+        assert torch.equal(x.grad, want)
 
 
 def test_go_graph_changes_perturbed_rows_only_in_eval():

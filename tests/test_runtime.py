@@ -1,13 +1,15 @@
-"""gears/runtime.py: thread pools that stay set, allocator thresholds that stop page faults."""
+"""gears/runtime.py: thread pools that stay set (data processing too), allocator thresholds."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
 import torch
+from helpers import SYNTHETIC_PARAMS
 
 from gears.runtime import set_threads, tune_allocator
 
@@ -68,3 +70,28 @@ def test_tune_allocator_stops_page_faults_on_repeated_large_tensors():
 def test_tune_allocator_respects_user_setting(monkeypatch):
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
     assert tune_allocator() is False
+
+
+def test_processing_data_keeps_torch_thread_count(tmp_path):
+    """In a fresh process at OMP_NUM_THREADS=1: scanpy's numba t-test (the DE step of processing
+    a dataset) starts numba's OpenMP layer, which set torch's pool to NUMBA_NUM_THREADS. A run
+    that processes its data then trained at another thread count (another summation order) than
+    one that loads it processed, as a resumed run does."""
+    code = textwrap.dedent(
+        f"""
+        import torch
+        from gears.data.pertdata import PertData
+
+        before = torch.get_num_threads()
+        PertData({str(tmp_path)!r}, verbose=False).load(
+            "synthetic", synthetic_params={SYNTHETIC_PARAMS!r}
+        )
+        print(before, torch.get_num_threads())
+        """
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "2"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["1", "1"]

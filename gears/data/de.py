@@ -59,7 +59,10 @@ def compute_de(adata: ad.AnnData, n_top: int = 20) -> dict[str, dict[str, np.nda
     )
     light.var_names = var_names
     light.obs["condition"] = light.obs["condition"].astype("category")
-    with warnings.catch_warnings():  # scanpy's own pandas fragmentation warnings
+    from gears.runtime import torch_threads_kept
+
+    # scanpy's own pandas fragmentation warnings; torch's thread count as it was
+    with warnings.catch_warnings(), torch_threads_kept():
         warnings.simplefilter("ignore", pd.errors.PerformanceWarning)
         sc.tl.rank_genes_groups(
             light,

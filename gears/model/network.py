@@ -626,6 +626,17 @@ def csr_to_padded_rows(
     return index, weight
 
 
+def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x[index] for x [N, ...] and a long index of any shape -> [*index.shape, ...], whose
+    gradient is summed in a fixed order. The backward of x[index] (index_put_ with accumulate)
+    adds float32 rows with atomics across threads on CPU once the gradient has 32,768 elements,
+    so repeated indices (a perturbation's GO neighbours shared across a batch, a distinct row
+    broadcast to its cells) made training differ from run to run at 2+ threads; index_select's
+    backward (index_add_) sums each row's contributions in index order. Same forward values."""
+    flat = x.index_select(0, index.reshape(-1))
+    return flat.reshape(*index.shape, *x.shape[1:])
+
+
 class FixedGraphConv(nn.Module):
     """SGConv(K=1) over a fixed graph: the propagation matrix is normalised once (by the owner,
     into buffers) and applied as a sparse product, then the Linear. `lin` keeps PyG SGConv's
@@ -790,13 +801,14 @@ class GEARSNet(nn.Module):
         emb = all_rows_max_norm(self.pert_emb)  # every row renormalised, as GEARS does
         if self.go_rows_gathered:
             weight = self.go_nbr_weight[index].unsqueeze(-1)  # [..., K, 1]
-            return self.sim_layers[0].lin((emb[self.go_nbr_index[index]] * weight).sum(-2))
+            neighbours = gather_rows(emb, self.go_nbr_index[index])  # [..., K, H]
+            return self.sim_layers[0].lin((neighbours * weight).sum(-2))
         pert, go_graph = emb, self._graph("go")
         for i, layer in enumerate(self.sim_layers):
             pert = layer(pert, go_graph)
             if i < len(self.sim_layers) - 1:
                 pert = torch.relu(pert)
-        return pert[index]
+        return gather_rows(pert, index)
 
     def forward(self, pert_index: torch.Tensor, counts: torch.Tensor | float | None = None):
         """pert_index [U, P] (-1 padded); counts [U] cells per row, or one number for every row
