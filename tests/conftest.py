@@ -6,11 +6,24 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("GEARS_SHARED_DATA", ROOT.parent / "shared" / "data"))
 
 os.environ.setdefault("WANDB_MODE", "disabled")
+
+# Property-based tests (tests/test_fuzz.py): "ci", the default, replays the same bounded set of
+# generated cases on every run (seeded by the test's name, no example database writes);
+# `pytest --hypothesis-profile=thorough` draws many more fresh cases for a local hunt.
+_FUZZ = dict(
+    deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
+settings.register_profile(
+    "ci", derandomize=True, database=None, max_examples=50, print_blob=True, **_FUZZ
+)
+settings.register_profile("thorough", max_examples=2000, print_blob=True, **_FUZZ)
+settings.load_profile("ci")
 
 
 @pytest.fixture(scope="session")

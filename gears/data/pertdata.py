@@ -388,7 +388,10 @@ class PertData:
         )
         for extra in ("cell_type", "condition_name", "dose_val"):
             if extra in adata.obs and extra != condition_key:
-                obs[extra] = adata.obs[extra].values
+                values = adata.obs[extra]
+                if values.dtype == object:  # None or mixed types: h5ad cannot store them
+                    values = values.astype(str).where(values.notna()).astype("category")
+                obs[extra] = values.values
         conditions = obs["condition"].values
         if not (conditions == CTRL).any():
             raise GearsInputError(
