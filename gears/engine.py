@@ -32,8 +32,9 @@ from gears.distributed import (
 )
 from gears.errors import GearsInputError, NonFiniteLossError, TrainingStopped
 from gears.evaluate import Evaluator
+from gears.model.kernels import gather_rows
 from gears.model.losses import gears_loss
-from gears.model.network import gather_rows, pad_rows, use_cell_rows
+from gears.model.rows import pad_rows, use_cell_rows
 
 # loss_on(batch, CELL_ROWS): one row per cell instead of one per distinct perturbation.
 CELL_ROWS = "cells"

@@ -12,7 +12,7 @@ import torch
 import torch._dynamo
 from torch._dynamo.testing import CompileCounter
 
-from gears.model.network import pad_rows
+from gears.model.rows import pad_rows
 from tests.test_network import COUNTS, UNIQ, _make_net
 
 

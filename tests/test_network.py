@@ -1,4 +1,4 @@
-"""Tests for gears/model/network.py: weighted batch-norm, dedup exactness, GEARSNet wiring."""
+"""Tests for gears/model/network.py and kernels.py: weighted batch-norm, dedup, GEARSNet wiring."""
 
 from __future__ import annotations
 
@@ -9,16 +9,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gears.model.network import (
-    GEARSNet,
+from gears.model.kernels import (
     WeightedBatchNorm1d,
     _BlockWeightedBatchNormFn,
-    all_rows_max_norm,
     csr_to_padded_rows,
     gather_rows,
     gene_decode,
     output_layer,
 )
+from gears.model.network import GEARSNet, all_rows_max_norm
 
 G, P, H = 24, 10, 8  # genes, perturbable genes, hidden size
 
@@ -792,7 +791,8 @@ def test_fixed_graph_conv_equals_pyg_sgconv():
     and SGConv's state_dict loads into it unchanged (saved models keep loading)."""
     from torch_geometric.nn import SGConv
 
-    from gears.model.network import FixedGraphConv, gcn_normalised_csr, graph_propagate
+    from gears.model.kernels import gcn_normalised_csr, graph_propagate
+    from gears.model.network import FixedGraphConv
 
     n, h = 30, 6
     gen = torch.Generator().manual_seed(5)

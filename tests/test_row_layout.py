@@ -15,7 +15,7 @@ from gears.config import TrainConfig
 from gears.data.pertdata import PertData
 from gears.distributed import DistEnv
 from gears.engine import CELL_ROWS, RepeatRows, Trainer, seed_everything
-from gears.model.network import pad_rows, row_bucket, use_cell_rows
+from gears.model.rows import pad_rows, row_bucket, use_cell_rows
 from tests.test_network import _biases_cancelled_by_bn
 
 
