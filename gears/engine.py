@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+import torch._functorch.config
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -210,6 +211,21 @@ class History:
     skipped_steps: list[int] = field(default_factory=list)  # GradScaler (fp16) skips per epoch
 
 
+def compiled_backward_as_eager(compiled: bool):
+    """A context for calling a torch.compile'd network whose backward must mean what eager's
+    means. Two defaults of PyTorch 2.13 differ: the compiled backward is traced under the
+    forward's autocast (the fp32 layers' backward matmuls then ran in half precision: indv_b1's
+    bf16 gradient 30x further from fp32 than eager's; pytorch#153044), and the partitioner may
+    recompute, in the backward, reads of a parameter that the forward mutates in place (the
+    max-norm embeddings: their gradients then used rows scaled twice, 50-80% off on a step that
+    renormalises, fp32 included). tests/test_compile_amp.py fails without either setting."""
+    if not compiled:
+        return contextlib.nullcontext()
+    return torch._functorch.config.patch(
+        backward_pass_autocast="off", treat_parameters_as_free_to_save=False
+    )
+
+
 class Trainer:
     """Trains a GEARSNet on a PertData split. World size 1 is the single-process case."""
 
@@ -305,7 +321,7 @@ class Trainer:
             if not torch.is_tensor(counts):
                 counts = torch.full((n_rows,), float(counts), device=rows.device)
             rows, counts = pad_rows(rows, counts)
-        with ctx:
+        with ctx, compiled_backward_as_eager(self.cfg.compile):
             out = self.model(rows, counts)
         if self.cfg.compile:
             out = tuple(o[:n_rows] for o in out) if isinstance(out, tuple) else out[:n_rows]

@@ -84,12 +84,24 @@ class _BlockWeightedBatchNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, f, gamma, beta, eps, blocks):
         k = x.shape[0] // blocks
-        parts = [
-            torch.native_batch_norm(x[u * k : (u + 1) * k], gamma, beta, None, None, True, 0.0, eps)
-            for u in range(blocks)
-        ]
-        block_mean = torch.stack([p[1] for p in parts])  # [U, C], fp32 (float64 for float64 x)
-        block_var = torch.stack([p[2] for p in parts]).pow(-2).sub_(eps).clamp_(min=0)
+        if torch.compiler.is_compiling():
+            # The compiler's native_batch_norm (its decomposition, and the fake kernel traced
+            # from it) returns a half-precision CPU input's statistics in that dtype, where the
+            # kernel returns fp32: under inductor, statistics rounded to half precision (an
+            # fp16 variance above 65,504 became inf); under aot_eager, a dtype mismatch in the
+            # traced graph. One fused fp32 reduction instead.
+            block_var, block_mean = torch.var_mean(
+                x.reshape(blocks, k, -1).to(statistics_dtype(x)), dim=1, correction=0
+            )
+        else:
+            parts = [
+                torch.native_batch_norm(
+                    x[u * k : (u + 1) * k], gamma, beta, None, None, True, 0.0, eps
+                )
+                for u in range(blocks)
+            ]
+            block_mean = torch.stack([p[1] for p in parts])  # [U, C], fp32 (float64 for x64)
+            block_var = torch.stack([p[2] for p in parts]).pow(-2).sub_(eps).clamp_(min=0)
         f = f.to(block_mean.dtype)
         mean = f @ block_mean
         var = f @ (block_var + (block_mean - mean).square())
