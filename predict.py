@@ -92,20 +92,21 @@ def main(argv=None):
     if n_control is not None and n_control < 1:
         raise GearsInputError("--control-cells must be >= 1 (cell-eval needs control cells)")
 
-    pred = predict_cells(model, info, controls, labels, n_cells, n_control, seed=args.seed)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    pred.write_h5ad(tmp)
-    tmp.replace(out)
+    # Written a chunk of cells at a time: memory never holds the whole prediction.
+    pred = predict_cells(model, info, controls, labels, n_cells, n_control, args.seed, out=out)
     key = info.get("condition_key", "condition")
     print(
         f"wrote {out}: {pred.n_obs} cells x {pred.n_vars} genes ({len(labels)} perturbations, "
         f"{int((~pred.obs['predicted']).sum())} control cells); obs[{key!r}], "
         f"uns['gears_mean_prediction']"
-        + (", layers['log_variance']" if "log_variance" in pred.layers else ""),
+        + (", layers['log_variance']" if model.config.get("uncertainty") else ""),
         flush=True,
     )
     if args.real is not None:
+        import anndata as ad
+
+        pred = ad.read_h5ad(out)  # cell-eval scores cells in memory
         real, scored = real_cells_for_scoring(args.real, info, list(pred.var_names), pred)
         outdir = out.with_name(f"{out.stem}_cell_eval")
         scores = {"gears": cell_eval_scores(scored, real, key, control_label, outdir, args.threads)}

@@ -18,6 +18,7 @@ import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import anndata as ad
 import numpy as np
@@ -195,6 +196,90 @@ def resolve_perturbations(
 
 
 # ---------------------------------------------------------------------------- predicted cells
+class CellPlan(NamedTuple):
+    """Which cells a prediction holds, before any expression is computed (small: ints per cell).
+
+    obs: the output's obs (control cells first); source [N]: each cell's row in the saved
+    control cells; which [N]: the perturbation whose change it gets (-1: a control cell)."""
+
+    obs: pd.DataFrame
+    source: np.ndarray
+    which: np.ndarray
+
+
+def plan_cells(
+    labels: Sequence[str],
+    conditions: Sequence[str],
+    n_cells: Sequence[int],
+    controls: ad.AnnData,
+    condition_key: str,
+    control_label: str,
+    n_control: int | None = None,
+    seed: int = 0,
+) -> CellPlan:
+    """The cells of a prediction: n_control control cells (default all saved ones), then for
+    each perturbation p, n_cells[p] control cells drawn without replacement while they last."""
+    rng = np.random.default_rng(seed)
+    pool = controls.n_obs
+    ctrl_idx = np.arange(pool) if n_control is None else _draw(rng, pool, n_control)
+    source = np.concatenate([ctrl_idx, *(_draw(rng, pool, int(n)) for n in n_cells)])
+    which = np.repeat(np.arange(-1, len(n_cells)), [len(ctrl_idx), *map(int, n_cells)])
+    predicted = which >= 0
+    label_col = np.where(predicted, np.asarray(labels, dtype=object)[which], control_label)
+    cond_col = np.where(predicted, np.asarray(conditions, dtype=object)[which], CTRL)
+    ctrl_names = controls.obs_names.astype(str).values
+    names = [*ctrl_names[ctrl_idx]] + [
+        f"pred{k:07d}-{lab}" for k, lab in enumerate(label_col[len(ctrl_idx) :])
+    ]
+    obs = pd.DataFrame(
+        {
+            condition_key: pd.Categorical(label_col),
+            "gears_condition": pd.Categorical(cond_col),
+            "control_cell": ctrl_names[source],
+            "predicted": predicted,
+        },
+        index=pd.Index(names),
+    )
+    if not obs.index.is_unique:  # more control cells asked than saved: a cell appears twice
+        obs.index = ad.utils.make_index_unique(obs.index)
+    return CellPlan(obs, source, which)
+
+
+def predicted_rows(
+    plan: CellPlan, ctrl_X: np.ndarray, delta: np.ndarray, rows: slice
+) -> np.ndarray:
+    """The expression of plan's cells `rows`: control cell + its perturbation's change (float32,
+    clipped at 0); control cells unchanged. ctrl_X [pool, G] and delta [P, G] float32."""
+    out = ctrl_X[plan.source[rows]]
+    which = plan.which[rows]
+    hit = which >= 0
+    out[hit] += delta[which[hit]]
+    np.maximum(out, 0.0, out=out)
+    return out
+
+
+def prediction_uns(
+    labels, conditions, delta, logvar, ctrl_mean, condition_key: str, control_label: str
+) -> dict:
+    """.uns of a prediction: GEARS.predict's per-perturbation means (unclipped, float64) and
+    confidences, and the condition column's name and control label."""
+    uns = {"gears_condition_key": condition_key, "gears_control_label": control_label}
+    if ctrl_mean is not None:
+        mean = {
+            "perturbations": np.asarray(labels, dtype=str),
+            "conditions": np.asarray(conditions, dtype=str),
+            "mean": np.asarray(delta, dtype=np.float64) + np.asarray(ctrl_mean, np.float64),
+        }
+        if logvar is not None:
+            mean["confidence"] = np.exp(-np.asarray(logvar, dtype=np.float64).mean(axis=1))
+        uns[MEAN_KEY] = mean
+    return uns
+
+
+def _dense_float32(X) -> np.ndarray:
+    return np.asarray(X.toarray() if sp.issparse(X) else X, dtype=np.float32)
+
+
 def prediction_adata(
     labels: Sequence[str],
     conditions: Sequence[str],
@@ -208,72 +293,115 @@ def prediction_adata(
     logvar: np.ndarray | None = None,
     ctrl_mean: np.ndarray | None = None,
 ) -> ad.AnnData:
-    """Predicted cells: for each perturbation p, n_cells[p] control cells drawn from `controls`
-    (without replacement while they last) plus delta[p] [genes], clipped at 0.
+    """Predicted cells in memory (dense float32 X): for each perturbation p, n_cells[p] control
+    cells drawn from `controls` (without replacement while they last) plus delta[p] [genes],
+    clipped at 0. write_prediction writes the same cells to a file in chunks.
 
     labels: the spelling written to obs[condition_key]; conditions: canonical names.
     delta [P, G]; logvar [P, G] -> layers['log_variance'] (NaN on the control cells).
     ctrl_mean [G]: with it, .uns['gears_mean_prediction'] holds delta + ctrl_mean per perturbation.
     The control cells (n_control of them, default all) come first, labelled control_label.
     """
-    delta = np.asarray(delta, dtype=np.float64)
-    n_cells = [int(n) for n in n_cells]
-    if delta.shape != (len(labels), controls.n_vars):
-        raise GearsInputError(f"delta has shape {delta.shape}; expected {len(labels)} x genes")
-    rng = np.random.default_rng(seed)
-    ctrl_X = controls.X.toarray() if sp.issparse(controls.X) else np.asarray(controls.X)
-    ctrl_X = ctrl_X.astype(np.float32)
-    n_ctrl_pool = ctrl_X.shape[0]
-    ctrl_idx = np.arange(n_ctrl_pool) if n_control is None else _draw(rng, n_ctrl_pool, n_control)
-    total = len(ctrl_idx) + sum(n_cells)
-    X = np.empty((total, controls.n_vars), dtype=np.float32)
-    X[: len(ctrl_idx)] = ctrl_X[ctrl_idx]
-    source = [ctrl_idx]
-    obs_label = [np.full(len(ctrl_idx), control_label, dtype=object)]
-    obs_cond = [np.full(len(ctrl_idx), CTRL, dtype=object)]
-    start = len(ctrl_idx)
-    for p, n in enumerate(n_cells):
-        picks = _draw(rng, n_ctrl_pool, n)
-        # float32 change added to float32 cells: the memory of the output, never float64.
-        np.maximum(ctrl_X[picks] + delta[p].astype(np.float32), 0.0, out=X[start : start + n])
-        source.append(picks)
-        obs_label.append(np.full(n, labels[p], dtype=object))
-        obs_cond.append(np.full(n, conditions[p], dtype=object))
-        start += n
-    source = np.concatenate(source)
-    label_col = np.concatenate(obs_label)
-    ctrl_names = controls.obs_names.astype(str).values
-    names = [f"{ctrl_names[i]}" for i in ctrl_idx] + [
-        f"pred{k:07d}-{lab}" for k, lab in enumerate(label_col[len(ctrl_idx) :])
-    ]
-    obs = pd.DataFrame(
-        {
-            condition_key: pd.Categorical(label_col),
-            "gears_condition": pd.Categorical(np.concatenate(obs_cond)),
-            "control_cell": ctrl_names[source],
-            "predicted": np.r_[np.zeros(len(ctrl_idx), bool), np.ones(sum(n_cells), bool)],
-        },
-        index=pd.Index(names),
+    _check_delta(delta, labels, controls)
+    plan = plan_cells(
+        labels, conditions, n_cells, controls, condition_key, control_label, n_control, seed
     )
-    out = ad.AnnData(X=X, obs=obs, var=pd.DataFrame(index=controls.var_names.astype(str)))
-    out.obs_names_make_unique()  # more control cells asked than saved: a cell appears twice
+    rows = slice(0, len(plan.source))
+    X = predicted_rows(plan, _dense_float32(controls.X), np.asarray(delta, np.float32), rows)
+    out = ad.AnnData(X=X, obs=plan.obs, var=pd.DataFrame(index=controls.var_names.astype(str)))
     if logvar is not None:
-        layer = np.full(X.shape, np.nan, dtype=np.float32)
-        rows = np.repeat(np.arange(len(n_cells)), n_cells)
-        layer[len(ctrl_idx) :] = np.asarray(logvar, dtype=np.float32)[rows]
-        out.layers[UNCERTAINTY_LAYER] = layer
-    if ctrl_mean is not None:
-        mean = {
-            "perturbations": np.asarray(labels, dtype=str),
-            "conditions": np.asarray(conditions, dtype=str),
-            "mean": (delta + np.asarray(ctrl_mean, dtype=np.float64)[None, :]),
-        }
-        if logvar is not None:
-            mean["confidence"] = np.exp(-np.asarray(logvar, dtype=np.float64).mean(axis=1))
-        out.uns[MEAN_KEY] = mean
-    out.uns["gears_condition_key"] = condition_key
-    out.uns["gears_control_label"] = control_label
+        out.layers[UNCERTAINTY_LAYER] = _logvar_rows(plan, logvar, rows)
+    out.uns.update(
+        prediction_uns(labels, conditions, delta, logvar, ctrl_mean, condition_key, control_label)
+    )
     return out
+
+
+def _check_delta(delta, labels, controls) -> None:
+    if np.shape(delta) != (len(labels), controls.n_vars):
+        raise GearsInputError(f"delta has shape {np.shape(delta)}; expected {len(labels)} x genes")
+
+
+def _logvar_rows(plan: CellPlan, logvar: np.ndarray, rows: slice) -> np.ndarray:
+    """layers['log_variance'] of cells `rows`: the perturbation's, NaN on control cells."""
+    which = plan.which[rows]
+    layer = np.full((len(which), np.shape(logvar)[1]), np.nan, dtype=np.float32)
+    hit = which >= 0
+    layer[hit] = np.asarray(logvar, dtype=np.float32)[which[hit]]
+    return layer
+
+
+CHUNK_BYTES = 64 * 2**20  # dense float32 rows computed at a time by write_prediction
+
+
+def write_prediction(
+    path: str | Path,
+    labels: Sequence[str],
+    conditions: Sequence[str],
+    delta: np.ndarray,
+    n_cells: Sequence[int],
+    controls: ad.AnnData,
+    condition_key: str,
+    control_label: str,
+    n_control: int | None = None,
+    seed: int = 0,
+    logvar: np.ndarray | None = None,
+    ctrl_mean: np.ndarray | None = None,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> tuple[CellPlan, dict]:
+    """prediction_adata's cells written to an .h5ad a chunk of cells at a time, X as CSR float32
+    (the layout `cell-eval prep` asks for; zeros not stored), so memory holds the control cells,
+    the changes and one ~chunk_bytes chunk, never the output (60,000 cells x 18,080 genes is
+    4.3 GB dense). Atomic: written to a temporary file, then renamed. -> (its CellPlan, its uns)"""
+    import h5py
+    from anndata.io import write_elem
+
+    _check_delta(delta, labels, controls)
+    path = Path(path)
+    plan = plan_cells(
+        labels, conditions, n_cells, controls, condition_key, control_label, n_control, seed
+    )
+    ctrl_X, delta32 = _dense_float32(controls.X), np.asarray(delta, np.float32)
+    n, n_genes = len(plan.source), controls.n_vars
+    step = max(1, chunk_bytes // (4 * n_genes))
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with h5py.File(tmp, "w") as f:
+            f.attrs.update({"encoding-type": "anndata", "encoding-version": "0.1.0"})
+            write_elem(f, "obs", plan.obs)
+            write_elem(f, "var", pd.DataFrame(index=controls.var_names.astype(str)))
+            uns = prediction_uns(
+                labels, conditions, delta, logvar, ctrl_mean, condition_key, control_label
+            )
+            write_elem(f, "uns", uns)
+            for empty in ("obsm", "varm", "obsp", "varp", "layers"):
+                write_elem(f, empty, {})
+            X = f.create_group("X")
+            X.attrs.update(
+                {"encoding-type": "csr_matrix", "encoding-version": "0.1.0", "shape": (n, n_genes)}
+            )
+            data = X.create_dataset("data", (0,), np.float32, maxshape=(None,), chunks=(2**18,))
+            indices = X.create_dataset("indices", (0,), np.int32, maxshape=(None,), chunks=(2**18,))
+            indptr = np.zeros(n + 1, dtype=np.int64)
+            layer = None
+            if logvar is not None:
+                layer = f["layers"].create_dataset(UNCERTAINTY_LAYER, (n, n_genes), np.float32)
+                layer.attrs.update({"encoding-type": "array", "encoding-version": "0.2.0"})
+            for start in range(0, n, step):
+                rows = slice(start, min(start + step, n))
+                chunk = sp.csr_matrix(predicted_rows(plan, ctrl_X, delta32, rows))
+                stored = data.shape[0]
+                for dataset, values in ((data, chunk.data), (indices, chunk.indices)):
+                    dataset.resize((stored + chunk.nnz,))
+                    dataset[stored:] = values
+                indptr[rows.start + 1 : rows.stop + 1] = stored + chunk.indptr[1:]
+                if layer is not None:
+                    layer[rows] = _logvar_rows(plan, logvar, rows)
+            X.create_dataset("indptr", data=indptr)
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return plan, uns
 
 
 def data_spelling(
@@ -311,8 +439,11 @@ def predict_cells(
     n_cells: Sequence[int],
     n_control: int | None = None,
     seed: int = 0,
+    out: str | Path | None = None,
 ) -> ad.AnnData:
     """Predicted AnnData for perturbations spelled as the data spells them (see prediction_adata).
+    With `out`, the cells are written there in chunks (write_prediction) and what is returned is
+    the file's AnnData without X and layers (obs, var, uns): the expression stays on disk.
 
     One network forward per chunk of perturbations (gears.evaluate.predict_deltas), never one
     per cell.
@@ -324,7 +455,7 @@ def predict_cells(
     labels = data_spelling(conditions, labels, info.get("condition_spelling", {}))
     rows = model._pert_rows([condition_genes(c) for c in conditions])
     delta, logvar = predict_deltas(model.model, rows)
-    return prediction_adata(
+    args = (
         labels,
         conditions,
         delta,
@@ -332,11 +463,12 @@ def predict_cells(
         controls,
         info.get("condition_key", "condition"),
         info.get("control_label", CTRL),
-        n_control=n_control,
-        seed=seed,
-        logvar=logvar,
-        ctrl_mean=model.ctrl_expression,
     )
+    kwargs = dict(n_control=n_control, seed=seed, logvar=logvar, ctrl_mean=model.ctrl_expression)
+    if out is None:
+        return prediction_adata(*args, **kwargs)
+    plan, uns = write_prediction(out, *args, **kwargs)
+    return ad.AnnData(obs=plan.obs, var=pd.DataFrame(index=controls.var_names.astype(str)), uns=uns)
 
 
 # -------------------------------------------------------------------------------- cell-eval
