@@ -18,9 +18,7 @@ from gears.engine import Trainer
 from gears.errors import GearsInputError
 from gears.evaluate import Evaluator, predict_deltas
 from gears.model.network import GEARSNet
-
-MODEL_FILE, CONFIG_FILE = "model.pt", "config.json"
-
+from gears.model_folder import CONFIG_FILE, MODEL_FILE, write_prediction_inputs
 
 # TrainConfig fields that shape the data loaders (PertData.dataloader_settings has them too).
 LOADER_KEYS = (
@@ -307,8 +305,6 @@ class GEARS:
         }
         ckpt.atomic_save(state, path / MODEL_FILE)
         if hasattr(self.pert_data, "ctrl_rows"):  # a PertData, not a folder's vocabulary
-            from gears.predict import write_prediction_inputs
-
             # Control cells and the input's spelling, so predict.py needs no dataset.
             write_prediction_inputs(self.pert_data, path, seed=self.seed)
 

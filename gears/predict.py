@@ -6,9 +6,9 @@ cell enters only as a residual), so one network forward per perturbation serves 
 Log-expression cannot be negative, so predicted cells are clipped at 0 (cell-eval also rejects
 negative values); the per-perturbation mean kept in `.uns` is GEARS.predict's, unclipped.
 
-A saved model folder (GEARS.save_model) holds what prediction needs besides the weights:
-`control_cells.h5ad` (a seeded sample of at most MAX_SAVED_CONTROL_CELLS processed control cells,
-genes in training order) and `prediction.json` (the input's perturbation column, control spelling,
+A saved model folder (GEARS.save_model; gears/model_folder.py) holds what prediction needs
+besides the weights: `control_cells.h5ad` (a seeded sample of processed control cells, genes in
+training order) and `prediction.json` (the input's perturbation column, control spelling,
 condition spellings and normalisation).
 """
 
@@ -25,12 +25,21 @@ import numpy as np
 import pandas as pd
 import scipy.sparse as sp
 
+from gears import checkpoint as ckpt
+from gears.api import GEARS
 from gears.data.conditions import CTRL, canonical_condition, condition_genes
 from gears.errors import GearsInputError
+from gears.model_folder import (
+    CONFIG_FILE,
+    CONTROL_CELLS_FILE,
+    MAX_SAVED_CONTROL_CELLS,
+    MODEL_FILE,
+    PREDICTION_FILE,
+    SavedVocabulary,
+    control_sample_rows,
+    csr_rows,
+)
 
-CONTROL_CELLS_FILE = "control_cells.h5ad"
-PREDICTION_FILE = "prediction.json"
-MAX_SAVED_CONTROL_CELLS = 2000
 DEFAULT_CELLS_PER_PERTURBATION = 100
 UNCERTAINTY_LAYER = "log_variance"
 MEAN_KEY = "gears_mean_prediction"
@@ -41,67 +50,8 @@ CELL_EVAL_INSTALL = (
 )
 
 
-# ------------------------------------------------------------------------- model folder inputs
-def control_sample_rows(ctrl_rows: np.ndarray, max_cells: int, seed: int = 0) -> np.ndarray:
-    """At most max_cells of ctrl_rows, drawn without replacement by a seeded generator, sorted."""
-    ctrl_rows = np.asarray(ctrl_rows)
-    if len(ctrl_rows) <= max_cells:
-        return ctrl_rows
-    rng = np.random.default_rng(seed)
-    return np.sort(rng.choice(ctrl_rows, size=max_cells, replace=False))
-
-
-def _csr_rows(X, rows: np.ndarray) -> sp.csr_matrix:
-    part = X[rows]
-    return sp.csr_matrix(part, dtype=np.float32)
-
-
-def _atomic_write_h5ad(adata: ad.AnnData, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    adata.write_h5ad(tmp)
-    tmp.replace(path)
-
-
-def write_prediction_inputs(
-    pert_data, path: str | Path, max_cells: int = MAX_SAVED_CONTROL_CELLS, seed: int = 0
-) -> None:
-    """Save control cells and the input's spelling next to a model (called by save_model)."""
-    path = Path(path)
-    rows = control_sample_rows(pert_data.ctrl_rows, max_cells, seed)
-    X = _csr_rows(pert_data.expr.numpy(), rows)
-    names = pert_data.adata.obs_names.astype(str).values[rows]
-    genes = list(pert_data.gene_names)
-    controls = ad.AnnData(X=X, obs=pd.DataFrame(index=names), var=pd.DataFrame(index=genes))
-    _atomic_write_h5ad(controls, path / CONTROL_CELLS_FILE)
-    spelling = dict(getattr(pert_data, "condition_spelling", {}) or {})
-    info = {
-        "condition_key": getattr(pert_data, "condition_key", "condition"),
-        "control_label": spelling.get(CTRL, CTRL),
-        "condition_spelling": spelling,
-        "normalize_target_sum": getattr(pert_data, "normalize_target_sum", None),
-        "n_control_cells": int(len(pert_data.ctrl_rows)),
-        "n_saved_control_cells": int(len(rows)),
-    }
-    tmp = path / f".{PREDICTION_FILE}.tmp{os.getpid()}"
-    tmp.write_text(json.dumps(info, indent=1))
-    tmp.replace(path / PREDICTION_FILE)
-
-
-class SavedVocabulary:
-    """What GEARS needs of a PertData to load weights and predict, read from a model folder."""
-
-    def __init__(self, gene_names: list[str], pert_names: list[str], ctrl_mean: np.ndarray):
-        self.gene_names = pd.Index(gene_names)
-        self.pert_names = np.array(pert_names)
-        self.node_map_pert = {g: i for i, g in enumerate(pert_names)}
-        self.ctrl_mean = np.asarray(ctrl_mean, dtype=np.float64)
-
-
 def load_model(path: str | Path, device: str = "cpu"):
     """A saved model folder -> (GEARS ready to predict, prediction info dict, control AnnData)."""
-    from gears import checkpoint as ckpt
-    from gears.api import CONFIG_FILE, GEARS, MODEL_FILE
-
     path = Path(path)
     if not (path / CONFIG_FILE).exists() or not (path / MODEL_FILE).exists():
         raise GearsInputError(
@@ -602,7 +552,7 @@ def score_test_set(
     X_all = pert_data.expr.numpy()
     genes = [str(g) for g in pert_data.gene_names]
     controls = ad.AnnData(
-        X=_csr_rows(X_all, ctrl_rows),
+        X=csr_rows(X_all, ctrl_rows),
         obs=pd.DataFrame(index=pert_data.adata.obs_names.astype(str).values[ctrl_rows]),
         var=pd.DataFrame(index=genes),
     )
@@ -614,7 +564,7 @@ def score_test_set(
         id_label[i] for i in pert_data.cell_condition[test_rows].tolist()
     ]
     real_all = ad.AnnData(
-        X=_csr_rows(X_all, rows),
+        X=csr_rows(X_all, rows),
         obs=pd.DataFrame(
             {key: pd.Categorical(real_labels)},
             index=pert_data.adata.obs_names.astype(str).values[rows],

@@ -22,6 +22,7 @@ from gears.data.conditions import (
     genes_of,
 )
 from gears.data.loaders import EpochLoader, ExampleSet, ExpressionMatrix, eval_loader, train_loader
+from gears.data.stream import not_counts_error
 from gears.device import to_host
 from gears.errors import GearsInputError
 
@@ -110,14 +111,6 @@ def check_not_raw_counts(values: np.ndarray, sample: int = 10_000_000) -> None:
             "normalize='log1p') to normalise them, or run sc.pp.normalize_total(adata) then "
             "sc.pp.log1p(adata) first"
         )
-
-
-def not_counts_error() -> GearsInputError:
-    """data.normalize=log1p on values that are not all integers."""
-    return GearsInputError(
-        "data.normalize=log1p expects raw counts in adata.X, but it holds non-integer "
-        "values (already normalised?); set data.normalize=none for log-normalised data"
-    )
 
 
 def check_normalize(method: str) -> None:

@@ -18,6 +18,14 @@ import scipy.sparse as sp
 from gears.errors import GearsInputError
 
 
+def not_counts_error() -> GearsInputError:
+    """data.normalize=log1p on values that are not all integers."""
+    return GearsInputError(
+        "data.normalize=log1p expects raw counts in adata.X, but it holds non-integer "
+        "values (already normalised?); set data.normalize=none for log-normalised data"
+    )
+
+
 @dataclass
 class ConditionStats:
     """Sufficient statistics per condition. C conditions, G genes."""
@@ -122,7 +130,6 @@ def count_totals(X, n_rows: int, keep: np.ndarray, chunk_cells: int) -> np.ndarr
     """data.normalize=log1p, first pass: validate every chunk, refuse non-integer values in the
     kept rows (with the in-memory message) and return their totals [kept cells] as the
     in-memory path sums them (float32 rows of the float32 matrix)."""
-    from gears.data.pertdata import not_counts_error
 
     totals = []
     for start, block in iter_row_chunks(X, n_rows, chunk_cells):

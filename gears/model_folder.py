@@ -1,0 +1,82 @@
+"""A saved model folder's files: what GEARS.save_model writes beside the weights, and what
+GEARS.load_pretrained and predict.py read without the training data.
+
+    model/config.json         the model's hyperparameters, gene and perturbation lists
+    model/model.pt            weights, graphs and the mean control expression
+    model/control_cells.h5ad  a seeded sample of processed control cells (genes in model order)
+    model/prediction.json     the input's condition column, control and condition spellings,
+                              normalisation
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import anndata as ad
+import numpy as np
+import pandas as pd
+import scipy.sparse as sp
+
+from gears.data.conditions import CTRL
+
+MODEL_FILE, CONFIG_FILE = "model.pt", "config.json"
+CONTROL_CELLS_FILE = "control_cells.h5ad"
+PREDICTION_FILE = "prediction.json"
+MAX_SAVED_CONTROL_CELLS = 2000
+
+
+def control_sample_rows(ctrl_rows: np.ndarray, max_cells: int, seed: int = 0) -> np.ndarray:
+    """At most max_cells of ctrl_rows, drawn without replacement by a seeded generator, sorted."""
+    ctrl_rows = np.asarray(ctrl_rows)
+    if len(ctrl_rows) <= max_cells:
+        return ctrl_rows
+    rng = np.random.default_rng(seed)
+    return np.sort(rng.choice(ctrl_rows, size=max_cells, replace=False))
+
+
+def csr_rows(X, rows: np.ndarray) -> sp.csr_matrix:
+    part = X[rows]
+    return sp.csr_matrix(part, dtype=np.float32)
+
+
+def atomic_write_h5ad(adata: ad.AnnData, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    adata.write_h5ad(tmp)
+    tmp.replace(path)
+
+
+def write_prediction_inputs(
+    pert_data, path: str | Path, max_cells: int = MAX_SAVED_CONTROL_CELLS, seed: int = 0
+) -> None:
+    """Save control cells and the input's spelling next to a model (called by save_model)."""
+    path = Path(path)
+    rows = control_sample_rows(pert_data.ctrl_rows, max_cells, seed)
+    X = csr_rows(pert_data.expr.numpy(), rows)
+    names = pert_data.adata.obs_names.astype(str).values[rows]
+    genes = list(pert_data.gene_names)
+    controls = ad.AnnData(X=X, obs=pd.DataFrame(index=names), var=pd.DataFrame(index=genes))
+    atomic_write_h5ad(controls, path / CONTROL_CELLS_FILE)
+    spelling = dict(getattr(pert_data, "condition_spelling", {}) or {})
+    info = {
+        "condition_key": getattr(pert_data, "condition_key", "condition"),
+        "control_label": spelling.get(CTRL, CTRL),
+        "condition_spelling": spelling,
+        "normalize_target_sum": getattr(pert_data, "normalize_target_sum", None),
+        "n_control_cells": int(len(pert_data.ctrl_rows)),
+        "n_saved_control_cells": int(len(rows)),
+    }
+    tmp = path / f".{PREDICTION_FILE}.tmp{os.getpid()}"
+    tmp.write_text(json.dumps(info, indent=1))
+    tmp.replace(path / PREDICTION_FILE)
+
+
+class SavedVocabulary:
+    """What GEARS needs of a PertData to load weights and predict, read from a model folder."""
+
+    def __init__(self, gene_names: list[str], pert_names: list[str], ctrl_mean: np.ndarray):
+        self.gene_names = pd.Index(gene_names)
+        self.pert_names = np.array(pert_names)
+        self.node_map_pert = {g: i for i, g in enumerate(pert_names)}
+        self.ctrl_mean = np.asarray(ctrl_mean, dtype=np.float64)

@@ -1,0 +1,77 @@
+"""The package's modules import each other without a cycle, counting imports inside functions
+(a lazy import hides a cycle from Python, not from a reader): what two modules share lives in a
+module below both (e.g. gears/model_folder.py below gears/api.py and gears/predict.py)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """module -> the package modules it imports anywhere in its text (AST, not executed)."""
+    files = {}
+    for path in (root / "gears").rglob("*.py"):
+        name = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+        files[name] = path
+    graph = {name: set() for name in files}
+    for name, path in files.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                submodules = [f"{node.module}.{alias.name}" for alias in node.names]
+                targets = [m for m in submodules if m in files] or [node.module]
+            elif isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                continue
+            graph[name] |= {t for t in targets if t in files and t != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycle_in_the_package():
+    graph = import_graph(ROOT)
+    assert "gears.api" in graph and "gears.predict" in graph
+    assert cycles(graph) == []
+
+
+def test_the_cycle_finder_finds_a_lazy_cycle(tmp_path):
+    """A cycle through an import inside a function is found (as gears.api <-> gears.predict
+    was, before gears/model_folder.py)."""
+    (tmp_path / "gears").mkdir()
+    (tmp_path / "gears" / "__init__.py").write_text("")
+    (tmp_path / "gears" / "a.py").write_text("from gears.b import f\n")
+    (tmp_path / "gears" / "b.py").write_text("def f():\n    from gears import a\n")
+    assert cycles(import_graph(tmp_path)) == [["gears.a", "gears.b"]]
