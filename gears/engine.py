@@ -202,6 +202,105 @@ def _fault_injection(epoch: int, step: int, env: DistEnv, where: str, resumed: b
     return False
 
 
+class FaultHooks:
+    """The test hooks of GEARS_FAULT_KILL (_fault_injection), kept out of the training step:
+    after_step / after_epoch may kill this process (or signal its parent), and with
+    `<rank>:step:<n>:NAN` loss_on is wrapped so that step n's loss is NaN. Inert without the
+    variable."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
+        spec = os.environ.get("GEARS_FAULT_KILL", "")
+        if spec.endswith(":NAN"):
+            loss_on = trainer.loss_on
+
+            def nan_loss_on(batch, layout=None):
+                loss = loss_on(batch, layout)
+                if self._fire(0, trainer.step + 1, "loss"):
+                    loss = loss * float("nan")
+                return loss
+
+            trainer.loss_on = nan_loss_on
+
+    def _fire(self, epoch: int, step: int, where: str) -> bool:
+        return _fault_injection(epoch, step, self.trainer.env, where, self.trainer.resumed)
+
+    def after_step(self, epoch: int, step: int) -> None:
+        self._fire(epoch, step, "step")
+
+    def after_epoch(self, epoch: int, step: int) -> None:
+        self._fire(epoch, step, "epoch")
+
+
+class NonFiniteWatch:
+    """Notes the first micro-batch since the last check whose loss is NaN/inf, without a host
+    sync (a device-side index); check_step reads it at step boundaries. Off under GradScaler,
+    which skips a non-finite step by itself."""
+
+    def __init__(self, device: torch.device, enabled: bool):
+        self.device, self.enabled = device, enabled
+        self.first_bad = torch.full((), -1, dtype=torch.long, device=device)
+        self.recorded: list[tuple[int, int, torch.Tensor]] = []  # (step, batch, condition ids)
+
+    def record(self, loss: torch.Tensor, step: int, batch_no: int, cond_ids) -> None:
+        if self.enabled:
+            bad = (self.first_bad < 0) & ~torch.isfinite(loss)
+            self.first_bad = torch.where(bad, len(self.recorded), self.first_bad)
+        self.recorded.append((step, batch_no, cond_ids))
+
+    def take(self) -> tuple[torch.Tensor, list]:
+        """(index of the first bad micro-batch in the list or -1, the list); then starts over."""
+        taken = self.first_bad, self.recorded
+        self.first_bad = torch.full_like(self.first_bad, -1)
+        self.recorded = []
+        return taken
+
+
+@dataclass
+class EpochTotals:
+    """An epoch's running totals on this rank, and the batch it starts at (0, or where a
+    SIGTERM stopped it)."""
+
+    loss_sum: torch.Tensor
+    cells: int = 0
+    start: int = 0
+
+
+class TrainProgress:
+    """Rank 0's progress bar, with the loss (a host sync) and wandb every train.log_every
+    batches; nothing on other ranks or with progress=False."""
+
+    def __init__(self, trainer: Trainer, epoch: int, n_batches: int, start: int, show: bool):
+        self.trainer, self.bar = trainer, None
+        if show and trainer.env.is_main:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(
+                total=n_batches,
+                initial=start,
+                desc=f"epoch {epoch + 1}/{trainer.cfg.epochs}",
+                leave=False,
+                dynamic_ncols=True,
+                mininterval=0.5,
+            )
+
+    def batch_done(self, i: int, loss: torch.Tensor) -> None:
+        if self.bar is None:
+            return
+        self.bar.update(1)
+        trainer = self.trainer
+        if (i + 1) % trainer.cfg.log_every == 0:
+            value = to_host(loss).item()  # the only host sync, at the logging interval
+            self.bar.set_postfix(loss=f"{value:.4f}")
+            if trainer.wandb is not None:
+                lr = trainer.sched.get_last_lr()[0]
+                trainer.wandb.log({"train/loss": value, "lr": lr}, step=trainer.step)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 @dataclass
 class History:
     train_loss: list[float] = field(default_factory=list)
@@ -292,6 +391,8 @@ class Trainer:
         # The stop / non-finite flags are read on the host every `check_every` optimizer steps:
         # every step on CPU (free), at the logging interval on GPU (a host sync each time).
         self.check_every = 1 if self.device.type == "cpu" else max(train_cfg.log_every, 1)
+        self.params = [p for p in self.net.parameters() if p.requires_grad]  # for clipping
+        self.faults = FaultHooks(self)
 
     # ----------------------------------------------------------------------------- one batch
     def loss_on(self, batch, row_counts=None) -> torch.Tensor:
@@ -363,104 +464,91 @@ class Trainer:
             return CELL_ROWS
         return None
 
+    # ------------------------------------------------------------------------ the training step
+    def train_step(self, batch, layout, last_micro: bool) -> torch.Tensor:
+        """One micro-batch: forward, loss, backward (gradients averaged over the accumulation);
+        on the accumulation's last micro-batch, gradient clipping and the optimizer step.
+        -> the loss, detached (on the device: reading it is a host sync)."""
+        no_sync = self.env.distributed and not last_micro  # DDP all-reduces on the last only
+        with self.model.no_sync() if no_sync else contextlib.nullcontext():
+            loss = self.loss_on(batch, layout)
+            self.scaler.scale(loss / self.cfg.grad_accum_steps).backward()
+        if last_micro:
+            if self.cfg.grad_clip > 0:
+                self.scaler.unscale_(self.opt)
+                # foreach: one kernel for all gradients (CPU's default is a loop per tensor)
+                torch.nn.utils.clip_grad_value_(self.params, self.cfg.grad_clip, foreach=True)
+            self.scaler_step()
+            self.opt.zero_grad(set_to_none=True)
+            self.step += 1
+        return loss.detach()
+
     def train_epoch(self, loader, epoch: int, progress: bool = True) -> tuple[float, int]:
-        """One pass over this rank's shard. Returns (mean loss over ranks, cells seen by all)."""
-        self.model.train()
-        if self.cfg.freeze_batchnorm:
-            for m in self.net.modules():
-                if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
-                    m.eval()
+        """One pass over this rank's shard: train_step on each batch, and at step boundaries the
+        stop / non-finite check. Returns (mean loss over ranks, cells seen by all ranks)."""
+        self.set_train_mode()
         loader.set_epoch(epoch)
         accum = self.cfg.grad_accum_steps
-        n_batches = len(loader)
-        if self.cfg.limit_batches:
-            n_batches = min(n_batches, self.cfg.limit_batches)
-        loss_sum = torch.zeros((), device=self.device)
-        cells = 0
-        start = 0  # batches of this epoch already trained on (resumed after a SIGTERM stop)
-        if self.partial is not None and self.partial["epoch"] == epoch:
-            start, cells = self.partial["batch"], self.partial["cells"]
-            loss_sum += to_device(self.partial["loss_sum"][self.env.rank], self.device)
-        self.partial = None
+        n_batches = min(len(loader), self.cfg.limit_batches or len(loader))
+        totals = self.resume_position(epoch)  # loss sum and cells so far; batches to skip
         skipped_before = self.skipped_steps
-        recent: list[tuple[int, int, torch.Tensor]] = []  # (step, batch, condition ids) unchecked
-        first_bad = torch.full((), -1, dtype=torch.long, device=self.device)  # index in recent
-        bar = None
-        if progress and self.env.is_main:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(
-                total=n_batches,
-                initial=start,
-                desc=f"epoch {epoch + 1}/{self.cfg.epochs}",
-                leave=False,
-                dynamic_ncols=True,
-                mininterval=0.5,
-            )
-        params = [p for p in self.net.parameters() if p.requires_grad]
+        watch = NonFiniteWatch(self.device, enabled=not self.scaler.is_enabled())
+        log = TrainProgress(self, epoch, n_batches, totals.start, progress)
         for i, batch in enumerate(loader):
             if i == n_batches:
                 break
-            if i < start:
+            if i < totals.start:
                 continue  # trained on before the stop; the loader order is fixed by the epoch
             cond_ids = batch.uniq_cond  # host copy, only read to report a non-finite loss
             layout = self.row_layout(batch.counts)  # host tensor: costs no device sync
             batch = batch.to(self.device, non_blocking=True)
             last_micro = (i + 1) % accum == 0 or i + 1 == n_batches
-            sync = (
-                self.model.no_sync()
-                if self.env.distributed and not last_micro
-                else contextlib.nullcontext()
-            )
-            with sync:
-                loss = self.loss_on(batch, layout)
-                if _fault_injection(epoch, self.step + 1, self.env, "loss", self.resumed):
-                    loss = loss * float("nan")
-                self.scaler.scale(loss / accum).backward()
-            if not self.scaler.is_enabled():  # with GradScaler, a non-finite step is skipped
-                bad = (first_bad < 0) & ~torch.isfinite(loss.detach())
-                first_bad = torch.where(bad, len(recent), first_bad)  # no host sync
-            recent.append((self.step + 1, i + 1, cond_ids))
-            loss_sum += loss.detach()
-            cells += len(batch)
+            loss = self.train_step(batch, layout, last_micro)
+            watch.record(loss, self.step + (not last_micro), i + 1, cond_ids)
+            totals.loss_sum += loss
+            totals.cells += len(batch)
             if last_micro:
-                if self.cfg.grad_clip > 0:
-                    self.scaler.unscale_(self.opt)
-                    # foreach: one kernel for all gradients (CPU's default is a loop per tensor)
-                    torch.nn.utils.clip_grad_value_(params, self.cfg.grad_clip, foreach=True)
-                self.scaler_step()
-                self.opt.zero_grad(set_to_none=True)
-                self.step += 1
-                _fault_injection(epoch, self.step, self.env, "step", self.resumed)
+                self.faults.after_step(epoch, self.step)
                 if self.step % self.check_every == 0 or i + 1 == n_batches:
-                    stop = self.check_step(epoch, first_bad, recent)
-                    recent, first_bad = [], torch.full_like(first_bad, -1)
+                    stop = self.check_step(epoch, watch)
                     if stop and i + 1 < n_batches:
-                        # Each rank's running loss over its shard, so each resumes its own sum.
-                        sums = all_gather_objects(self.env, to_host(loss_sum))
-                        self.partial = {
-                            "epoch": epoch,
-                            "batch": i + 1,
-                            "cells": cells,
-                            "loss_sum": torch.stack(sums),  # [world_size]
-                        }
-                        if bar is not None:
-                            bar.close()
-                        return float("nan"), cells * self.env.world_size
-            if bar is not None:
-                bar.update(1)
-                if (i + 1) % self.cfg.log_every == 0:
-                    value = to_host(loss).item()  # the only host sync, at the logging interval
-                    bar.set_postfix(loss=f"{value:.4f}")
-                    if self.wandb is not None:
-                        self.wandb.log(
-                            {"train/loss": value, "lr": self.sched.get_last_lr()[0]}, step=self.step
-                        )
-        if bar is not None:
-            bar.close()
-        mean_loss = to_host(all_reduce_mean(self.env, loss_sum / max(n_batches, 1))).item()
+                        log.close()
+                        return self.stop_mid_epoch(epoch, i + 1, totals)
+            log.batch_done(i, loss)
+        log.close()
+        mean_loss = to_host(all_reduce_mean(self.env, totals.loss_sum / max(n_batches, 1))).item()
         self.history.skipped_steps.append(self.skipped_steps - skipped_before)
-        return mean_loss, cells * self.env.world_size
+        return mean_loss, totals.cells * self.env.world_size
+
+    def set_train_mode(self) -> None:
+        """Training mode; batch-norms frozen in eval mode with train.freeze_batchnorm."""
+        self.model.train()
+        if self.cfg.freeze_batchnorm:
+            for m in self.net.modules():
+                if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+                    m.eval()
+
+    def resume_position(self, epoch: int) -> EpochTotals:
+        """Where this epoch starts: at batch 0, or where a SIGTERM stopped it (with this rank's
+        loss sum and the cells seen so far)."""
+        totals = EpochTotals(torch.zeros((), device=self.device))
+        if self.partial is not None and self.partial["epoch"] == epoch:
+            totals.start, totals.cells = self.partial["batch"], self.partial["cells"]
+            totals.loss_sum += to_device(self.partial["loss_sum"][self.env.rank], self.device)
+        self.partial = None
+        return totals
+
+    def stop_mid_epoch(self, epoch: int, batches_done: int, totals: EpochTotals):
+        """A stop agreed within the epoch: record the position (each rank's running loss over
+        its shard, so each resumes its own sum) for the checkpoint; fit() then stops."""
+        sums = all_gather_objects(self.env, to_host(totals.loss_sum))
+        self.partial = {
+            "epoch": epoch,
+            "batch": batches_done,
+            "cells": totals.cells,
+            "loss_sum": torch.stack(sums),  # [world_size]
+        }
+        return float("nan"), totals.cells * self.env.world_size
 
     def scaler_step(self) -> None:
         """Optimizer step through the GradScaler, counting the steps it skips (fp16 overflow:
@@ -475,9 +563,10 @@ class Trainer:
         if self.scaler.get_scale() < scale:  # the scale only drops when the step was skipped
             self.skipped_steps += 1
 
-    def check_step(self, epoch: int, first_bad: torch.Tensor, recent: list) -> bool:
+    def check_step(self, epoch: int, watch: NonFiniteWatch) -> bool:
         """At a step boundary, agree over ranks on the stop flag (SIGTERM on any rank) and raise
         NonFiniteLossError if any rank saw a NaN/inf loss since the last check."""
+        first_bad, recorded = watch.take()
         flags = torch.stack(
             [torch.tensor(float(self.stop_requested)), to_host(first_bad >= 0).float()]
         )
@@ -486,7 +575,7 @@ class Trainer:
         if bad:
             mine = None
             if int(first_bad) >= 0:
-                step, batch_no, ids = recent[int(first_bad)]
+                step, batch_no, ids = recorded[int(first_bad)]
                 names = [self.pert_data.conditions[int(c)] for c in ids]
                 mine = (self.env.rank, step, batch_no, names)
             seen = [r for r in all_gather_objects(self.env, mine) if r is not None]
@@ -601,7 +690,7 @@ class Trainer:
                 self.save_checkpoint()
             elif self.out_dir is not None and self.stop_agreed:
                 self.save_checkpoint()  # stopping: keep this epoch whatever checkpoint_every says
-            _fault_injection(epoch + 1, self.step, self.env, "epoch", self.resumed)
+            self.faults.after_epoch(epoch + 1, self.step)
             if self.stop_agreed and self.epoch < self.cfg.epochs:
                 self.stop_on_signal()
             if stop:
