@@ -154,7 +154,7 @@ class GEARS:
     ):
         """Train with the shared engine; keeps the model chosen by train_cfg.select (the final one
         by default; `val_mse_de` is GEARS's best_model). control_mean: how validation forms
-        predicted means (evaluate.CONTROL_MEANS)."""
+        predicted means (config.CHOICES['eval.control_mean'])."""
         if self.model is None:
             raise GearsInputError("call model_initialize() before train()")
         cfg = train_cfg or TrainConfig(

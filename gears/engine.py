@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gears import checkpoint as ckpt
-from gears.config import DistributedConfig, ModelConfig, TrainConfig
+from gears.config import CHOICES, DistributedConfig, ModelConfig, TrainConfig
 from gears.device import to_device, to_host
 from gears.distributed import (
     DistEnv,
@@ -90,7 +90,7 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
                 "train.precision=bf16"
             )
         return torch.float16
-    raise GearsInputError(f"unknown train.precision {precision!r} (fp32, bf16, fp16)")
+    raise GearsInputError(f"unknown train.precision {precision!r}: {CHOICES['train.precision']}")
 
 
 def optimizer_kernel(optimizer: str, device: torch.device) -> dict[str, bool | None]:
@@ -108,8 +108,10 @@ def make_optimizer(
 ) -> torch.optim.Optimizer:
     """Adam with L2 weight decay, as GEARS (adamw and plain sgd on request)."""
     kinds = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
-    if cfg.optimizer not in kinds:
-        raise GearsInputError(f"unknown train.optimizer {cfg.optimizer!r}: {sorted(kinds)}")
+    if cfg.optimizer not in CHOICES["train.optimizer"]:
+        raise GearsInputError(
+            f"unknown train.optimizer {cfg.optimizer!r}: {CHOICES['train.optimizer']}"
+        )
     kernel = optimizer_kernel(cfg.optimizer, device or torch.device("cpu"))
     return kinds[cfg.optimizer](params, lr=cfg.lr, weight_decay=cfg.weight_decay, **kernel)
 
@@ -122,9 +124,6 @@ def make_scheduler(opt: torch.optim.Optimizer, cfg: TrainConfig):
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
 
 
-SELECTION_RULES = ("last", "val_mse", "val_mse_de")
-
-
 def selection_score(rule: str, val: dict, loss: float, epoch: int) -> float:
     """Lower is better: the number Trainer.fit compares across epochs to keep a model.
 
@@ -134,8 +133,8 @@ def selection_score(rule: str, val: dict, loss: float, epoch: int) -> float:
     """
     if rule == "last":
         return -float(epoch)
-    if rule not in SELECTION_RULES:
-        raise GearsInputError(f"unknown train.select {rule!r}: {SELECTION_RULES}")
+    if rule not in CHOICES["train.select"]:
+        raise GearsInputError(f"unknown train.select {rule!r}: {CHOICES['train.select']}")
     return val.get(rule.removeprefix("val_"), loss)
 
 

@@ -6,6 +6,7 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
+from gears.config import CHOICES
 from gears.data.conditions import CTRL
 from gears.device import to_device, to_host
 from gears.distributed import DistEnv, all_gather_objects
@@ -17,7 +18,6 @@ EVAL_PAIRING_EPOCH = 0  # evaluation pairs each cell with the control drawn for 
 # all = change + mean of all control cells (exact: x enters the network only as a residual);
 # paired = change + mean of the control cells paired with its cells (GEARS's protocol, which
 # adds the sampling noise of ~50 random control cells to every prediction).
-CONTROL_MEANS = ("all", "paired")
 
 
 @torch.no_grad()
@@ -72,9 +72,10 @@ class Evaluator:
         net: torch.nn.Module | None = None,
         control_mean: str = "all",
     ):
-        if control_mean not in CONTROL_MEANS:
+        if control_mean not in CHOICES["eval.control_mean"]:
             raise GearsInputError(
-                f"eval.control_mean must be one of {CONTROL_MEANS}, got {control_mean!r}"
+                f"eval.control_mean must be one of {CHOICES['eval.control_mean']}, "
+                f"got {control_mean!r}"
             )
         self.pd = pert_data
         self.env = env or DistEnv()
@@ -117,7 +118,7 @@ class Evaluator:
 
     def predict_means(self, set_name: str, net: torch.nn.Module | None = None) -> np.ndarray:
         """Mean predicted profile per condition [C, G] = response + control mean (see
-        CONTROL_MEANS: all control cells by default, or the cells paired with its cells)."""
+        eval.control_mean: all control cells by default, or the cells paired with its cells)."""
         view = self.set_view(set_name)
         delta, _ = predict_deltas(
             net or self.net, self.pd.cond_pert_index[view["cond_ids"]], self.env

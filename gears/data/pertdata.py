@@ -12,6 +12,7 @@ import numpy as np
 import pandas as pd
 import scipy.sparse as sp
 
+from gears.config import CHOICES
 from gears.data import de as de_mod
 from gears.data.conditions import (
     CONDITION_KEY_CANDIDATES,
@@ -29,7 +30,6 @@ from gears.errors import GearsInputError
 PROCESSED_NAME = "perturb_processed.h5ad"
 N_DE = 20  # GEARS's "top-20 DE genes"
 N_DE_RANKED = 200  # longest DE list the metrics use (top-200 variants)
-STORE_MODES = ("auto", "memory", "mmap")
 # data.store=auto: an .h5ad whose file or dense float32 matrix is larger than this is processed
 # out of core into a memory-mapped store; smaller ones are read whole and processed by scanpy
 # (the reference path).
@@ -114,8 +114,10 @@ def check_not_raw_counts(values: np.ndarray, sample: int = 10_000_000) -> None:
 
 
 def check_normalize(method: str) -> None:
-    if method not in ("none", "log1p"):
-        raise GearsInputError(f"normalize must be 'none' or 'log1p', got {method!r}")
+    if method not in CHOICES["data.normalize"]:
+        raise GearsInputError(
+            f"normalize must be one of {CHOICES['data.normalize']}, got {method!r}"
+        )
 
 
 def check_control_cells(n_ctrl: int) -> None:
@@ -127,17 +129,14 @@ def check_control_cells(n_ctrl: int) -> None:
         )
 
 
-UNMAPPED_PERTS = ("error", "drop", "keep")
-
-
 def resolve_unmapped_perts(unmapped_perts: str | None, keep_unmapped_perts: bool = False) -> str:
     """The unmapped-perturbation policy from the new key and its deprecated boolean alias."""
     if unmapped_perts is None:
         return "keep" if keep_unmapped_perts else "error"
-    if unmapped_perts not in UNMAPPED_PERTS:
+    if unmapped_perts not in CHOICES["data.unmapped_perts"]:
         raise GearsInputError(
-            f"unmapped_perts={unmapped_perts!r} is not one of {UNMAPPED_PERTS}; use 'error', "
-            "'drop' (as the original GEARS) or 'keep'"
+            f"unmapped_perts={unmapped_perts!r} is not one of {CHOICES['data.unmapped_perts']}; "
+            "use 'error', 'drop' (as the original GEARS) or 'keep'"
         )
     if keep_unmapped_perts and unmapped_perts != "keep":
         if unmapped_perts == "drop":
@@ -221,8 +220,10 @@ class PertData:
         self.report: dict = {}
         self._graphs: dict = {}
         self.synthetic = None
-        if store not in STORE_MODES:
-            raise GearsInputError(f"data.store must be one of {STORE_MODES}, got {store!r}")
+        if store not in CHOICES["data.store"]:
+            raise GearsInputError(
+                f"data.store must be one of {CHOICES['data.store']}, got {store!r}"
+            )
         self.store_mode = store  # auto | memory | mmap (see _wants_store)
         self.store_dir = store_dir
         self.chunk_cells = chunk_cells
