@@ -69,7 +69,7 @@ def load_pert_data(cfg: Config, env: DistEnv, store=None):
     from gears.engine import seed_everything
 
     def build():
-        pd_ = PertData(
+        pert_data = PertData(
             cfg.data.data_dir,
             gene2go=cfg.data.gene2go,
             gene_aliases=cfg.data.gene_aliases,
@@ -82,33 +82,32 @@ def load_pert_data(cfg: Config, env: DistEnv, store=None):
             chunk_cells=cfg.data.chunk_cells,
         )
         if cfg.data.dataset == "synthetic":
-            pd_.load("synthetic", synthetic_params=cfg.data.synthetic)
+            pert_data.load("synthetic", synthetic_params=cfg.data.synthetic)
         else:
-            pd_.load(
+            pert_data.load(
                 data_name=cfg.data.dataset,
                 subset=cfg.data.subset or None,
                 condition_key=cfg.data.condition_key,
                 control_names=tuple(cfg.data.control_names),
                 normalize=cfg.data.normalize,
             )
-        s = cfg.split
-        pd_.prepare_split(
-            s.type,
-            seed=s.seed,
-            train_gene_set_size=s.train_gene_set_size,
-            combo_seen2_train_frac=s.combo_seen2_train_frac,
-            combo_single_split_test_set_fraction=s.test_size,
-            split_dict_path=s.split_dict_path,
-            val_size=s.val_size,
+        split = cfg.split
+        pert_data.prepare_split(
+            split.type,
+            seed=split.seed,
+            train_gene_set_size=split.train_gene_set_size,
+            combo_seen2_train_frac=split.combo_seen2_train_frac,
+            combo_single_split_test_set_fraction=split.test_size,
+            split_dict_path=split.split_dict_path,
+            val_size=split.val_size,
         )
         # The model's graphs belong to the data step too: built here, before any process group
         # exists, rank 0 first (it caches them in a shared store, which the others then read),
         # instead of by every rank at once inside model_initialize while collectives wait
         # (the co-expression graph takes minutes at genome scale).
-        d = cfg.data
-        pd_.go_graph(d.go_top_k, d.go_threshold)
-        pd_.coexpress_graph(d.coexpress_top_k, d.coexpress_threshold)
-        return pd_
+        pert_data.go_graph(cfg.data.go_top_k, cfg.data.go_threshold)
+        pert_data.coexpress_graph(cfg.data.coexpress_top_k, cfg.data.coexpress_threshold)
+        return pert_data
 
     def staged():
         injected_delay("data", env.rank)
