@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from gears import checkpoint as ckpt
-from gears.config import DistributedConfig, ModelConfig, TrainConfig
+from gears.config import DataConfig, DistributedConfig, ModelConfig, TrainConfig
 from gears.data.conditions import CTRL, canonical_condition, condition_genes
 from gears.device import to_host
 from gears.distributed import DistEnv, choose_device
@@ -56,7 +56,8 @@ class GEARS:
             self.wandb = wandb.init(project=proj_name, name=exp_name)
         self.out_dir = out_dir
         self.seed = seed
-        self.config: dict | None = None
+        self.config: dict | None = None  # config.json: model_cfg and the graph settings
+        self.model_cfg: ModelConfig | None = None
         self.model: GEARSNet | None = None
         self.trainer: Trainer | None = None
         self.history = None
@@ -65,6 +66,32 @@ class GEARS:
         self.ctrl_expression = pert_data.ctrl_mean
 
     # --------------------------------------------------------------------------------- model
+    def initialize(self, model_cfg: ModelConfig, graph_cfg: DataConfig | None = None, graphs=None):
+        """Build the network from one ModelConfig (the config file's `model:` section) and the
+        data's GO and co-expression graphs, built with graph_cfg's top-k and thresholds (the
+        `data:` section) unless given as graphs = ((go_edge_index, go_weight),
+        (coexpress_edge_index, coexpress_weight))."""
+        graph_cfg = graph_cfg or DataConfig()
+        if graphs is None:
+            go = self.pert_data.go_graph(graph_cfg.go_top_k, graph_cfg.go_threshold)
+            co = self.pert_data.coexpress_graph(
+                graph_cfg.coexpress_top_k, graph_cfg.coexpress_threshold
+            )
+            graphs = ((go.edge_index, go.edge_weight), (co.edge_index, co.edge_weight))
+        self.model_cfg = model_cfg
+        # config.json: the hyperparameters, and the graph settings under cell-gears's names.
+        self.config = {
+            **asdict(model_cfg),
+            "num_similar_genes_go_graph": graph_cfg.go_top_k,
+            "num_similar_genes_co_express_graph": graph_cfg.coexpress_top_k,
+            "coexpress_threshold": graph_cfg.coexpress_threshold,
+            "go_threshold": graph_cfg.go_threshold,
+            "num_genes": len(self.gene_list),
+            "num_perts": len(self.pert_list),
+        }
+        self._build(*(torch.as_tensor(t) for graph in graphs for t in graph))
+        return self
+
     def model_initialize(
         self,
         hidden_size: int = 64,
@@ -86,58 +113,46 @@ class GEARS:
         G_coexpress_weight=None,
         no_perturb: bool = False,
     ) -> GEARS:
-        """Build the network and its two graphs (GEARS's argument names; decoder_hidden_size
-        and no_perturb are accepted for compatibility and unused, as in the original)."""
-        pd_ = self.pert_data
-        if G_go is None:
-            go = pd_.go_graph(num_similar_genes_go_graph, go_threshold)
-            G_go, G_go_weight = go.edge_index, go.edge_weight
-        if G_coexpress is None:
-            co = pd_.coexpress_graph(num_similar_genes_co_express_graph, coexpress_threshold)
-            G_coexpress, G_coexpress_weight = co.edge_index, co.edge_weight
-        self.config = {
-            "hidden_size": hidden_size,
-            "num_go_gnn_layers": num_go_gnn_layers,
-            "num_gene_gnn_layers": num_gene_gnn_layers,
-            "uncertainty": uncertainty,
-            "uncertainty_reg": uncertainty_reg,
-            "direction_lambda": direction_lambda,
-            "direction_temperature": direction_temperature,
-            "gamma": gamma,
-            "num_similar_genes_go_graph": num_similar_genes_go_graph,
-            "num_similar_genes_co_express_graph": num_similar_genes_co_express_graph,
-            "coexpress_threshold": coexpress_threshold,
-            "go_threshold": go_threshold,
-            "num_genes": len(self.gene_list),
-            "num_perts": len(self.pert_list),
-        }
-        self._build(
-            torch.as_tensor(G_go),
-            torch.as_tensor(G_go_weight),
-            torch.as_tensor(G_coexpress),
-            torch.as_tensor(G_coexpress_weight),
+        """cell-gears's signature for initialize() (decoder_hidden_size and no_perturb are
+        accepted for compatibility and unused, as in the original)."""
+        model_cfg = ModelConfig(
+            hidden_size=hidden_size,
+            num_go_gnn_layers=num_go_gnn_layers,
+            num_gene_gnn_layers=num_gene_gnn_layers,
+            uncertainty=uncertainty,
+            uncertainty_reg=uncertainty_reg,
+            direction_lambda=direction_lambda,
+            direction_temperature=direction_temperature,
+            gamma=gamma,
         )
-        return self
+        graph_cfg = DataConfig(
+            go_top_k=num_similar_genes_go_graph,
+            go_threshold=go_threshold,
+            coexpress_top_k=num_similar_genes_co_express_graph,
+            coexpress_threshold=coexpress_threshold,
+        )
+        graphs = None
+        if G_go is not None or G_coexpress is not None:
+            if G_go is None or G_coexpress is None:
+                go = self.pert_data.go_graph(num_similar_genes_go_graph, go_threshold)
+                co = self.pert_data.coexpress_graph(
+                    num_similar_genes_co_express_graph, coexpress_threshold
+                )
+                if G_go is None:
+                    G_go, G_go_weight = go.edge_index, go.edge_weight
+                if G_coexpress is None:
+                    G_coexpress, G_coexpress_weight = co.edge_index, co.edge_weight
+            graphs = ((G_go, G_go_weight), (G_coexpress, G_coexpress_weight))
+        return self.initialize(model_cfg, graph_cfg, graphs)
 
     def _build(self, go_ei, go_w, co_ei, co_w) -> None:
-        c = self.config
         self.model = GEARSNet(
-            c["num_genes"],
-            c["num_perts"],
-            go_ei,
-            go_w,
-            co_ei,
-            co_w,
-            hidden_size=c["hidden_size"],
-            num_go_gnn_layers=c["num_go_gnn_layers"],
-            num_gene_gnn_layers=c["num_gene_gnn_layers"],
-            uncertainty=c["uncertainty"],
+            self.model_cfg, len(self.gene_list), len(self.pert_list), go_ei, go_w, co_ei, co_w
         ).to(self.device)
         self.graphs = {"go": (go_ei, go_w), "coexpress": (co_ei, co_w)}
 
     def model_config(self) -> ModelConfig:
-        names = {f.name for f in fields(ModelConfig)}
-        return ModelConfig(**{k: v for k, v in self.config.items() if k in names})
+        return self.model_cfg
 
     # ---------------------------------------------------------------------------------- train
     def train(
@@ -168,7 +183,7 @@ class GEARS:
             self.model,
             self.pert_data,
             cfg,
-            self.model_config(),
+            self.model_cfg,
             self.env,
             out_dir=self.out_dir,
             dist_cfg=dist_cfg,
@@ -311,12 +326,8 @@ class GEARS:
     def _checkpoint_meta(self) -> dict:
         """The data vocabulary hash and model size a saved model.pt must match (config.json
         and model.pt from different runs are refused by name, not by a tensor shape error)."""
-        c = self.config
-        return {
-            "vocab_hash": ckpt.vocab_hash(self.gene_list, self.pert_list),
-            **{f"model.{k}": c[k] for k in ("hidden_size", "num_go_gnn_layers")},
-            **{f"model.{k}": c[k] for k in ("num_gene_gnn_layers", "uncertainty")},
-        }
+        vocab = ckpt.vocab_hash(self.gene_list, self.pert_list)
+        return {"vocab_hash": vocab, **self.model_cfg.shape_fields()}
 
     def load_pretrained(self, path: str | Path) -> GEARS:
         path = Path(path)
@@ -338,6 +349,7 @@ class GEARS:
             )
         state = ckpt.load(path / MODEL_FILE, map_location="cpu")
         self.config = {k: v for k, v in meta.items() if k not in ("gene_names", "pert_names")}
+        self.model_cfg = ModelConfig.from_dict(self.config)
         ckpt.check_compatible(state, path / MODEL_FILE, self._checkpoint_meta())
         (go_ei, go_w), (co_ei, co_w) = state["graphs"]["go"], state["graphs"]["coexpress"]
         self._build(go_ei, go_w, co_ei, co_w)
@@ -355,22 +367,3 @@ def _vocab_difference(saved: list[str], current: list[str]) -> str:
     if not only_saved and not only_now:
         return "same names in a different order"
     return f"only in the model: {only_saved[:5]}, only in this data: {only_now[:5]}"
-
-
-def model_kwargs(cfg: ModelConfig, data_cfg) -> dict:
-    """model_initialize() arguments from the run config sections."""
-    m = asdict(cfg)
-    return {
-        "hidden_size": m["hidden_size"],
-        "num_go_gnn_layers": m["num_go_gnn_layers"],
-        "num_gene_gnn_layers": m["num_gene_gnn_layers"],
-        "uncertainty": m["uncertainty"],
-        "uncertainty_reg": m["uncertainty_reg"],
-        "direction_lambda": m["direction_lambda"],
-        "direction_temperature": m["direction_temperature"],
-        "gamma": m["gamma"],
-        "num_similar_genes_go_graph": data_cfg.go_top_k,
-        "go_threshold": data_cfg.go_threshold,
-        "num_similar_genes_co_express_graph": data_cfg.coexpress_top_k,
-        "coexpress_threshold": data_cfg.coexpress_threshold,
-    }

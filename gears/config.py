@@ -59,16 +59,37 @@ class SplitConfig:
     split_dict_path: str | None = None
 
 
+# A ModelConfig field whose value changes the weights' shapes (or which weights exist): saved
+# models and checkpoints record it, and one trained with another value is refused by name.
+SHAPES = {"shapes": True}
+
+
 @dataclass
 class ModelConfig:
-    hidden_size: int = 64
-    num_go_gnn_layers: int = 1
-    num_gene_gnn_layers: int = 1
-    uncertainty: bool = False
+    """GEARS's hyperparameters: the config file's `model:` section, passed whole to the network
+    (gears/model/network.py) and the loss (Trainer.loss_on). A new hyperparameter is one field
+    here (marked `metadata=SHAPES` if it changes the weights); config.json and checkpoints
+    record it by themselves."""
+
+    hidden_size: int = field(default=64, metadata=SHAPES)
+    num_go_gnn_layers: int = field(default=1, metadata=SHAPES)
+    num_gene_gnn_layers: int = field(default=1, metadata=SHAPES)
+    uncertainty: bool = field(default=False, metadata=SHAPES)  # GEARS's log-variance head
     uncertainty_reg: float = 1.0
     direction_lambda: float = 0.1
     direction_temperature: float = 0.1
     gamma: float = 2.0
+
+    def shape_fields(self) -> dict:
+        """{"model.<name>": value} of the fields that change the weights: what a saved model or
+        checkpoint must share with the network loading it."""
+        shaping = [f.name for f in fields(self) if f.metadata.get("shapes")]
+        return {f"model.{name}": getattr(self, name) for name in shaping}
+
+    @classmethod
+    def from_dict(cls, values: dict) -> ModelConfig:
+        """The fields of a saved config.json (other keys ignored; absent ones default)."""
+        return cls(**{f.name: values[f.name] for f in fields(cls) if f.name in values})
 
 
 @dataclass

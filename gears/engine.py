@@ -745,18 +745,14 @@ class Trainer:
     # ---------------------------------------------------------------------------- checkpoints
     def meta(self) -> dict:
         """What a checkpoint must share with the run resuming it (checked by name on resume)."""
-        m, t = self.model_cfg, self.cfg
         return {
             "vocab_hash": self.vocab_hash,
-            "model.hidden_size": m.hidden_size,
-            "model.num_go_gnn_layers": m.num_go_gnn_layers,
-            "model.num_gene_gnn_layers": m.num_gene_gnn_layers,
-            "model.uncertainty": m.uncertainty,
+            **self.model_cfg.shape_fields(),
             # A mid-epoch position only means the same batches with these:
             "world_size": self.env.world_size,
-            "train.batch_size": t.batch_size,
-            "train.grad_accum_steps": t.grad_accum_steps,
-            "train.batching": t.batching,
+            "train.batch_size": self.cfg.batch_size,
+            "train.grad_accum_steps": self.cfg.grad_accum_steps,
+            "train.batching": self.cfg.batching,
         }
 
     def state(self) -> dict:

@@ -222,7 +222,7 @@ def run(cfg: Config, env: DistEnv, pert_data=None) -> dict | None:
     the test predictions are gathered every rank leaves the process group (`release`); the other
     ranks return None and rank 0 scores, runs baselines, plots and writes with no collective
     pending, however long that takes."""
-    from gears.api import GEARS, model_kwargs
+    from gears.api import GEARS
     from gears.baselines import baseline_predictions
     from gears.engine import seed_everything
     from gears.evaluate import Evaluator
@@ -245,7 +245,7 @@ def run(cfg: Config, env: DistEnv, pert_data=None) -> dict | None:
     wandb_run = init_wandb(cfg, env)
     model = GEARS(pert_data, env=env, wandb_run=wandb_run, out_dir=out, seed=cfg.seed)
     seed_everything(cfg.seed)  # the same initial weights on every rank, whatever ran before
-    model.model_initialize(**model_kwargs(cfg.model, cfg.data))
+    model.initialize(cfg.model, cfg.data)
     t_train = time.perf_counter()
     history = model.train(
         train_cfg=cfg.train, dist_cfg=cfg.distributed, control_mean=cfg.eval.control_mean

@@ -6,6 +6,7 @@ import copy
 
 import torch
 
+from gears.config import ModelConfig
 from gears.model.network import GEARSNet
 
 G, P, H = 5000, 60, 32
@@ -43,7 +44,7 @@ def test_fp16_autocast_at_5000_genes_is_finite_and_matches_fp32():
     gen = torch.Generator().manual_seed(0)
     go, co = _graph(P, 400, gen), _graph(G, 20_000, gen)
     torch.manual_seed(0)
-    net32 = GEARSNet(G, P, *go, *co, hidden_size=H)
+    net32 = GEARSNet(ModelConfig(hidden_size=H), G, P, *go, *co)
     net16 = copy.deepcopy(net32)
     rows = torch.randint(0, P, (25, 2), generator=gen)
     rows[torch.rand(25, generator=gen) < 0.7, 1] = -1

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gears.config import ModelConfig
 from gears.model.kernels import (
     WeightedBatchNorm1d,
     _BlockWeightedBatchNormFn,
@@ -37,7 +38,7 @@ def _make_net(
     go = _graph(P, 40, torch.Generator().manual_seed(100 + go_seed))
     co = _graph(G, 60, torch.Generator().manual_seed(200 + co_seed))
     torch.manual_seed(seed)
-    return GEARSNet(G, P, *go, *co, hidden_size=H, uncertainty=uncertainty).double()
+    return GEARSNet(ModelConfig(hidden_size=H, uncertainty=uncertainty), G, P, *go, *co).double()
 
 
 # Distinct perturbation rows of a batch: control, singles, doubles (-1 padded).
@@ -565,7 +566,8 @@ def test_gathered_go_rows_equal_sgconv_over_every_perturbation():
     _assert_same_state(net, full, tol=1e-9)
     go = _graph(P, 40, torch.Generator().manual_seed(100))
     co = _graph(G, 60, torch.Generator().manual_seed(200))
-    assert not GEARSNet(G, P, *go, *co, hidden_size=H, num_go_gnn_layers=2).go_rows_gathered
+    two_layers = ModelConfig(hidden_size=H, num_go_gnn_layers=2)
+    assert not GEARSNet(two_layers, G, P, *go, *co).go_rows_gathered
 
 
 def test_csr_to_padded_rows():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from gears.config import ModelConfig
 from gears.model.kernels import (
     WeightedBatchNorm1d,
     csr_to_padded_rows,
@@ -76,19 +77,17 @@ class GEARSNet(nn.Module):
 
     def __init__(
         self,
+        cfg: ModelConfig,
         num_genes: int,
         num_perts: int,
         go_edge_index: torch.Tensor,
         go_edge_weight: torch.Tensor,
         coexpress_edge_index: torch.Tensor,
         coexpress_edge_weight: torch.Tensor,
-        hidden_size: int = 64,
-        num_go_gnn_layers: int = 1,
-        num_gene_gnn_layers: int = 1,
-        uncertainty: bool = False,
     ):
         super().__init__()
-        G, H = num_genes, hidden_size
+        G, H, uncertainty = num_genes, cfg.hidden_size, cfg.uncertainty
+        num_go_gnn_layers, num_gene_gnn_layers = cfg.num_go_gnn_layers, cfg.num_gene_gnn_layers
         self.num_genes, self.num_perts, self.uncertainty = G, num_perts, uncertainty
         # Graphs are non-persistent buffers: they move with .to(device), are rebuilt from the
         # data (not saved), and are listed by graph_buffer_names() so that DDP never broadcasts
