@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -24,6 +23,8 @@ from pathlib import Path
 import pandas as pd
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from provenance import provenance  # noqa: E402
 
 
 def run_measured(cmd: list[str]) -> tuple[float, float]:
@@ -35,19 +36,6 @@ def run_measured(cmd: list[str]) -> tuple[float, float]:
     if os.waitstatus_to_exitcode(status) != 0:
         raise SystemExit(f"{' '.join(cmd)} failed")
     return wall, usage.ru_maxrss / 1024  # Linux reports kB
-
-
-def provenance() -> dict:
-    def git(*args):
-        out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
-        return out.stdout.strip()
-
-    dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
-    return {
-        "commit": git("rev-parse", "--short", "HEAD") + ("-dirty" if dirty else ""),
-        "command": " ".join(["python", *sys.argv]),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}",
-    }
 
 
 def main(argv=None) -> dict:

@@ -669,7 +669,9 @@ def main() -> None:
         return
     result = main_memory_table(args) if args.memory_table else main_scale(args)
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+        from provenance import provenance
+
+        Path(args.json).write_text(json.dumps({**provenance(), **result}, indent=1))
         print(f"wrote {args.json}")
 
 

@@ -552,7 +552,10 @@ def wait_for_quiet(max_load: float | None, timeout_s: float = 900) -> None:
 
 def json_figures(threads: int, rate: dict, B: int, U: int, cell_gears: float | None) -> dict:
     """The --json document: cells/s medians, the bounds beside the engine's figures."""
+    from provenance import provenance
+
     return {
+        **provenance(),
         "threads": threads,
         "bound": {p: rate[("bare", p, B)] for p in ("fp32", "bf16")},
         "dedup_bound": {p: rate[("bare", p, U)] for p in ("fp32", "bf16")},

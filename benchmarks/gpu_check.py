@@ -881,7 +881,10 @@ def run_check(ctx, name: str) -> dict:
 
 
 def header(args, device: str | None) -> dict:
+    from provenance import provenance
+
     h = {
+        **provenance(),
         "command": shlex.join([sys.executable, *sys.argv]),
         "device": device,
         "torch": torch.__version__,

@@ -55,6 +55,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from provenance import provenance  # noqa: E402
 
 SHARED_DATA = Path(os.environ.get("GEARS_SHARED_DATA", ROOT.parent / "shared" / "data"))
 CELL_GEARS = "cell-gears==0.1.2"
@@ -441,6 +443,9 @@ def markdown(results: dict, args) -> str:
     lines = [
         "# Our GEARS vs cell-gears 0.1.2",
         "",
+        f"Commit `{results['settings']['commit']}`, `{results['settings']['command']}`, "
+        f"{results['settings']['date']}, {results['settings']['machine']}.",
+        "",
         f"Seeds {args.seeds}, epochs `{args.epochs}` (both tools), {args.threads} torch "
         "thread(s) per worker; mean ± sd over seeds. Metrics: our metric code on both tools' "
         "mean test predictions; `paired` = GEARS's protocol (each tool's own random control "
@@ -571,6 +576,7 @@ def main(args) -> dict:
                     d["baselines"].setdefault(b, {}).setdefault(m, []).append(v)
         results["datasets"][name] = d
     results["settings"] = {
+        **provenance(),
         "seeds": seeds,
         "epochs": args.epochs,
         "threads": args.threads,
