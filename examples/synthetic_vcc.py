@@ -3,8 +3,7 @@
     python examples/synthetic_vcc.py data/vcc_synthetic
 
 writes adata_Training.h5ad, adata_Validation.h5ad (the held-out perturbations' real cells),
-pert_counts_Validation.csv and gene2go.tsv (see README, "Predictions and the Virtual Cell
-Challenge").
+pert_counts_Validation.csv and gene2go.tsv (see docs/predictions.md).
 """
 
 import argparse

@@ -13,7 +13,7 @@ def test_defaults_match_gears():
     cfg = load_config(None, [], base=DEFAULT_CONFIG)
     assert (cfg.model.hidden_size, cfg.train.batch_size) == (64, 32)
     assert (cfg.train.lr, cfg.train.weight_decay) == (1e-3, 5e-4)
-    # The project's default schedule and model selection (README "Model selection"); GEARS's
+    # The project's default schedule and model selection (docs/model_selection.md); GEARS's
     # own recipe is configs/gears_paper.yaml.
     assert (cfg.train.epochs, cfg.train.schedule, cfg.train.select) == (10, "cosine", "last")
     paper = load_config(DEFAULT_CONFIG.parent / "gears_paper.yaml", [], base=DEFAULT_CONFIG)

@@ -357,7 +357,7 @@ def test_every_config_key_is_fuzzed():
 
 
 INT64 = 2**63
-# The documented domain of every numeric key (README "Configuration"): (low, high, low open).
+# The documented domain of every numeric key (docs/configuration.md): (low, high, low open).
 DOMAIN = {
     "seed": (0, INT64 - 1, False),
     "split.seed": (0, INT64 - 1, False),

@@ -1,7 +1,7 @@
 """CPU twins of the GPU and cluster paths (GPU_REVIEW.md defects 1, 3, 4, 7, 8, 11, 12, 13, 14):
 device choice per rank, resuming files written on another device, DDP's broadcast list, rank
 -independent evaluation, rank-0 work beyond the collective timeout, Slurm launch variables.
-What only a real GPU can show is listed in README.md ("GPUs and clusters")."""
+What only a real GPU can show is listed in docs/gpus_and_clusters.md."""
 
 from __future__ import annotations
 
