@@ -87,7 +87,16 @@ def _storage_from_bytes(data: bytes):
     with weights_only=True, which rebuilds storages and refuses anything else."""
     if not isinstance(data, bytes):
         raise pickle.UnpicklingError(f"a tensor storage must be bytes, not {type(data).__name__}")
-    return torch.load(io.BytesIO(data), weights_only=True)
+    try:
+        storage = torch.load(io.BytesIO(data), weights_only=True)
+    except pickle.UnpicklingError as e:
+        named = re.search(r"GLOBAL ([\w.]+)", str(e))  # torch names the global it refused
+        if named:
+            raise RefusedGlobal(f"{named.group(1)} (inside a tensor's storage bytes)") from None
+        raise
+    if not isinstance(storage, torch.storage.TypedStorage | torch.UntypedStorage):
+        raise pickle.UnpicklingError(f"tensor storage bytes hold a {type(storage).__name__}")
+    return storage
 
 
 class RefusedGlobal(pickle.UnpicklingError):
