@@ -338,6 +338,29 @@ class GEARS:
         vocab = ckpt.vocab_hash(self.gene_list, self.pert_list)
         return {"vocab_hash": vocab, **self.model_cfg.shape_fields()}
 
+    @classmethod
+    def from_cell_gears(
+        cls,
+        path: str | Path,
+        adata,
+        gene2go,
+        gene_set=None,
+        device: str = "cpu",
+        check_go_graph: bool = True,
+        cell_gears_predict: bool = True,
+    ) -> GEARS:
+        """A GEARS ready to predict from a model folder saved by cell-gears 0.1.2 and the data
+        it was trained on, without this project's PertData: adata (AnnData or .h5ad path, e.g.
+        its perturb_processed.h5ad), gene2go (its gene2go_all.pkl) and, for cell-gears's
+        default perturbation graph, gene_set (its essential_all_data_pert_genes.pkl) give the
+        gene and perturbation order as cell-gears builds it (gears/cell_gears.py,
+        docs/cell_gears_models.md). Predictions add the mean of all the data's control cells."""
+        from gears import cell_gears
+
+        vocab = cell_gears.vocabulary_of_data(adata, gene2go, gene_set)
+        model = cls(vocab, device=device)
+        return model.load_pretrained(path, check_go_graph, cell_gears_predict)
+
     def load_pretrained(
         self, path: str | Path, check_go_graph: bool = True, cell_gears_predict: bool = True
     ) -> GEARS:

@@ -519,7 +519,7 @@ def load_into(model, path: str | Path, check_go: bool = True, cell_gears_predict
             "vocabulary comes from the data it was trained on: load it with the same adata "
             "(same genes, same order) and the same gene2go_all.pkl, and for cell-gears's "
             "default_pert_graph=True its essential_all_data_pert_genes.pkl "
-            "(gears.cell_gears.load_cell_gears(..., gene_set=...); docs/cell_gears_models.md)"
+            "(GEARS.from_cell_gears(..., gene_set=...); docs/cell_gears_models.md)"
         )
     gene2go = getattr(model.pert_data, "gene2go", None)
     if check_go and gene2go:
@@ -556,27 +556,27 @@ def control_mean(adata, condition_key: str = "condition") -> tuple[np.ndarray, n
     return rows, total / len(rows)
 
 
-def load_cell_gears(
-    path: str | Path,
+def vocabulary_of_data(
     adata,
     gene2go: Mapping[str, Iterable[str]] | str | Path,
     gene_set: Iterable[str] | str | Path | None = None,
-    device: str = "cpu",
-    check_go: bool = True,
-    cell_gears_predict: bool = True,
 ):
-    """A GEARS ready to predict from a cell-gears model folder and the data it was trained on.
+    """What GEARS needs of a PertData to load a cell-gears model and predict, from the data
+    cell-gears trained on (GEARS.from_cell_gears calls this).
 
-    adata: the AnnData (or .h5ad path) cell-gears trained on, e.g. its
+    adata: the AnnData (or .h5ad path, read backed) cell-gears trained on, e.g. its
     <data_path>/<dataset>/perturb_processed.h5ad (var `gene_name`, obs `condition`); gene2go,
-    gene_set: see cell_gears_vocabulary. Predictions are changes added to the mean of all the
-    data's control cells (cell_gears_predict: see load_into)."""
+    gene_set: see cell_gears_vocabulary. -> a SavedVocabulary (gene and perturbation names,
+    the mean of all the data's control cells, and the perturbations' GO terms for the GO-graph
+    check)."""
     import anndata as ad
 
-    from gears.api import GEARS
+    from gears.data.graphs import read_gene2go
     from gears.model_folder import SavedVocabulary
 
     if isinstance(adata, str | Path):
+        if not Path(adata).is_file():
+            raise GearsInputError(f"data file {adata} does not exist")
         adata = ad.read_h5ad(adata, backed="r")
     for where, key in (("var", "gene_name"), ("obs", "condition")):
         if key not in getattr(adata, where).columns:
@@ -585,8 +585,6 @@ def load_cell_gears(
                 "(its perturb_processed.h5ad)"
             )
     if isinstance(gene2go, str | Path):
-        from gears.data.graphs import read_gene2go
-
         gene2go = read_gene2go(Path(gene2go))
     genes, perts = cell_gears_vocabulary(
         adata.var["gene_name"], adata.obs["condition"], gene2go, gene_set
@@ -594,5 +592,4 @@ def load_cell_gears(
     _, ctrl_mean = control_mean(adata)
     vocab = SavedVocabulary(genes, perts, ctrl_mean)
     vocab.gene2go = {p: set(gene2go[p]) for p in perts}
-    model = GEARS(vocab, device=device)
-    return load_into(model, path, check_go=check_go, cell_gears_predict=cell_gears_predict)
+    return vocab

@@ -111,7 +111,7 @@ def load_cell_gears_model(
     if not Path(data).is_file():
         raise GearsInputError(f"--data {data} does not exist")
     adata = ad.read_h5ad(data, backed="r")
-    model = cell_gears.load_cell_gears(path, adata, gene2go, gene_set, device=device)
+    model = GEARS.from_cell_gears(path, adata, gene2go, gene_set, device=device)
     ctrl_rows = np.flatnonzero(adata.obs["condition"].astype(str).values == CTRL)
     rows = control_sample_rows(ctrl_rows, MAX_SAVED_CONTROL_CELLS, seed=0)
     controls = ad.AnnData(

@@ -18,7 +18,7 @@ import torch
 
 from gears import cell_gears
 from gears.api import GEARS
-from gears.cell_gears import cell_gears_vocabulary, load_cell_gears, read_config
+from gears.cell_gears import cell_gears_vocabulary, read_config
 from gears.data.pertdata import PertData
 from gears.errors import GearsInputError
 
@@ -60,7 +60,7 @@ def pert_data(tmp_path_factory) -> PertData:
 # ------------------------------------------------------------------------------ predictions
 @pytest.mark.parametrize("name", MODELS)
 def test_predictions_equal_cell_gears(name):
-    model = load_cell_gears(FIXTURE / name, SCREEN, GENE2GO)
+    model = GEARS.from_cell_gears(FIXTURE / name, SCREEN, GENE2GO)
     assert model.gene_list == INFO["gene_list"] and model.pert_list == INFO["pert_list"]
     pred, score = as_cell_gears(model, name)
     np.testing.assert_allclose(pred, RECORDED[f"{name}/pred"], rtol=0, atol=ATOL)
@@ -81,7 +81,9 @@ def test_pert_data_vocabulary_is_cell_gears_and_load_pretrained_predicts_the_sam
 def test_network_alone_differs_from_cell_gears_predict():
     """cell-gears's predict() lets the co-expression graph reach 1 of its 300 cells; this
     project's network reaches every cell. The protocol is what makes the numbers equal."""
-    model = load_cell_gears(FIXTURE / "model_plain", SCREEN, GENE2GO, cell_gears_predict=False)
+    model = GEARS.from_cell_gears(
+        FIXTURE / "model_plain", SCREEN, GENE2GO, cell_gears_predict=False
+    )
     pred, _ = as_cell_gears(model, "model_plain")
     assert np.abs(pred - RECORDED["model_plain/pred"]).max() > 50 * ATOL
 
@@ -89,7 +91,7 @@ def test_network_alone_differs_from_cell_gears_predict():
 @pytest.mark.parametrize("key", ["emb_trans_v2.linears.0.weight", "sim_layers.0.lin.weight"])
 def test_a_transposed_weight_is_caught(key):
     """The comparison is sensitive to a mis-mapped weight of the right shape."""
-    model = load_cell_gears(FIXTURE / "model_plain", SCREEN, GENE2GO)
+    model = GEARS.from_cell_gears(FIXTURE / "model_plain", SCREEN, GENE2GO)
     weight = dict(model.model.named_parameters())[key]
     with torch.no_grad():
         weight.copy_(weight.t().clone())
@@ -182,7 +184,7 @@ def test_config_that_does_not_map_is_refused_by_name(tmp_path, change, message):
     config = read_config(FIXTURE / "model_plain" / "config.pkl") | change
     folder = _folder_with_config(tmp_path, pickle.dumps(config))
     with pytest.raises(GearsInputError, match=message):
-        load_cell_gears(folder, SCREEN, GENE2GO)
+        GEARS.from_cell_gears(folder, SCREEN, GENE2GO)
 
 
 def test_missing_config_key_is_named(tmp_path):
@@ -190,7 +192,7 @@ def test_missing_config_key_is_named(tmp_path):
     del config["G_coexpress"]
     folder = _folder_with_config(tmp_path, pickle.dumps(config))
     with pytest.raises(GearsInputError, match=r"lacks \['G_coexpress'\]"):
-        load_cell_gears(folder, SCREEN, GENE2GO)
+        GEARS.from_cell_gears(folder, SCREEN, GENE2GO)
 
 
 # ------------------------------------------------------------------------------ model.pt
@@ -224,7 +226,7 @@ def test_weights_that_do_not_map_are_refused_by_name(tmp_path):
     for i, (edit, message) in enumerate(cases):
         folder = _folder_with_weights(tmp_path / str(i), edit)
         with pytest.raises(GearsInputError, match=message):
-            load_cell_gears(folder, SCREEN, GENE2GO)
+            GEARS.from_cell_gears(folder, SCREEN, GENE2GO)
 
 
 def test_indv_w1_shape_is_checked_in_cell_gears_terms(tmp_path):
@@ -233,14 +235,14 @@ def test_indv_w1_shape_is_checked_in_cell_gears_terms(tmp_path):
 
     folder = _folder_with_weights(tmp_path, wrong)
     with pytest.raises(GearsInputError, match=r"indv_w1 \(40, 8, 1\) \(expected \(40, 16, 1\)\)"):
-        load_cell_gears(folder, SCREEN, GENE2GO)
+        GEARS.from_cell_gears(folder, SCREEN, GENE2GO)
 
 
 def test_data_parallel_prefix_and_unused_weights_are_accepted(tmp_path):
     folder = _folder_with_weights(
         tmp_path, lambda s: s.update({f"module.{k}": s.pop(k) for k in list(s)})
     )
-    model = load_cell_gears(folder, SCREEN, GENE2GO)
+    model = GEARS.from_cell_gears(folder, SCREEN, GENE2GO)
     pred, _ = as_cell_gears(model, "model_plain")
     np.testing.assert_allclose(pred, RECORDED["model_plain/pred"], rtol=0, atol=ATOL)
 
@@ -254,7 +256,7 @@ def test_pickled_code_in_model_pt_is_refused(tmp_path):
 
     folder = _folder_with_weights(tmp_path, lambda s: s.update(evil=Evil()))
     with pytest.raises(GearsInputError, match="model.pt was refused"):
-        load_cell_gears(folder, SCREEN, GENE2GO)
+        GEARS.from_cell_gears(folder, SCREEN, GENE2GO)
     assert not marker.exists()
 
 
@@ -272,7 +274,7 @@ def test_vocabulary_of_other_size_is_refused(tmp_path):
     gene_set = tmp_path / "essential_all_data_pert_genes.pkl"
     gene_set.write_bytes(pickle.dumps(INFO["pert_list"] + ["EXTRA1"]))
     with pytest.raises(GearsInputError, match=r"36 perturbable genes, this data 40 and 37"):
-        load_cell_gears(FIXTURE / "model_plain", SCREEN, GENE2GO, gene_set=gene_set)
+        GEARS.from_cell_gears(FIXTURE / "model_plain", SCREEN, GENE2GO, gene_set=gene_set)
 
 
 def test_vocabulary_in_another_order_is_refused_by_the_go_graph():
@@ -307,7 +309,7 @@ def test_predict_cli_on_a_cell_gears_folder(tmp_path):
     pred = ad.read_h5ad(out)
     assert pred.n_obs == 80 + 2 * 3 and list(pred.var_names) == INFO["gene_list"]
     assert "log_variance" in pred.layers
-    model = load_cell_gears(FIXTURE / "model_uncertainty", SCREEN, GENE2GO)
+    model = GEARS.from_cell_gears(FIXTURE / "model_uncertainty", SCREEN, GENE2GO)
     expected, _ = model.predict([["SG0006"], ["SG0021", "SG0030"]])
     mean = pred.uns["gears_mean_prediction"]["mean"]
     np.testing.assert_allclose(mean[0], expected["SG0006"], rtol=0, atol=1e-6)
