@@ -9,6 +9,14 @@ FILE: one perturbation a line; LIST: comma-separated; spelled as the training da
 The control cells come from the model folder (a sample saved with the model; see
 gears/predict.py). --real scores the prediction with cell-eval's vcc profile and writes
 <out>.metrics.json.
+
+A model folder saved by cell-gears 0.1.2 (config.pkl + model.pt) also needs the data it was
+trained on, which gives the gene and perturbation order and the control cells
+(docs/cell_gears_models.md):
+
+    python predict.py --model CELL_GEARS_MODEL --data DATA_PATH/DATASET/perturb_processed.h5ad \
+        --gene2go DATA_PATH/gene2go_all.pkl [--gene-set essential_all_data_pert_genes.pkl] \
+        --perturbations FEV,FEV+SAMD1 --out pred.h5ad
 """
 
 import argparse
@@ -21,7 +29,21 @@ from gears.run import guarded
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", required=True, help="saved model folder (RUN_DIR/model)")
+    parser.add_argument(
+        "--model",
+        required=True,
+        help="saved model folder (RUN_DIR/model), or a cell-gears model folder (with --data, "
+        "--gene2go)",
+    )
+    parser.add_argument(
+        "--data", help="cell-gears model: the .h5ad it was trained on (perturb_processed.h5ad)"
+    )
+    parser.add_argument("--gene2go", help="cell-gears model: the gene2go_all.pkl it used")
+    parser.add_argument(
+        "--gene-set",
+        help="cell-gears model trained with its default perturbation graph: "
+        "essential_all_data_pert_genes.pkl (or the gene_set_path it was given)",
+    )
     parser.add_argument(
         "--perturbations",
         help="file with one perturbation a line, or a comma-separated list (default with "
@@ -73,7 +95,9 @@ def main(argv=None):
         raise GearsInputError("--cells-per-perturbation must be >= 1")
     if args.perturbations is None and args.counts is None:
         raise GearsInputError("give --perturbations (a file or a comma-separated list) or --counts")
-    model, info, controls = load_model(args.model, device=args.device)
+    model, info, controls = load_model(
+        args.model, args.device, data=args.data, gene2go=args.gene2go, gene_set=args.gene_set
+    )
     control_label = info.get("control_label", "ctrl")
     n_control = args.control_cells
     if args.counts is not None:

@@ -59,6 +59,9 @@ class GEARS:
         self.config: dict | None = None  # config.json: model_cfg and the graph settings
         self.model_cfg: ModelConfig | None = None
         self.model: GEARSNet | None = None
+        # A model loaded from cell-gears: its predict() protocol around self.model (predictions
+        # equal cell-gears's); None otherwise (gears/cell_gears.py CellGearsPrediction).
+        self.cell_gears_net: torch.nn.Module | None = None
         self.trainer: Trainer | None = None
         self.history = None
         self.gene_list = list(pert_data.gene_names)
@@ -146,6 +149,7 @@ class GEARS:
         return self.initialize(model_cfg, graph_cfg, graphs)
 
     def _build(self, go_ei, go_w, co_ei, co_w) -> None:
+        self.cell_gears_net = None
         self.model = GEARSNet(
             self.model_cfg, len(self.gene_list), len(self.pert_list), go_ei, go_w, co_ei, co_w
         ).to(self.device)
@@ -153,6 +157,11 @@ class GEARS:
 
     def model_config(self) -> ModelConfig:
         return self.model_cfg
+
+    def prediction_net(self) -> torch.nn.Module:
+        """The network predictions come from: the model, or for a model loaded from cell-gears
+        with cell_gears_predict, cell-gears's predict() protocol around it."""
+        return self.cell_gears_net if self.cell_gears_net is not None else self.model
 
     # ---------------------------------------------------------------------------------- train
     def train(
@@ -176,6 +185,7 @@ class GEARS:
             epochs=epochs, lr=lr, weight_decay=weight_decay, **train_kwargs
         )
         explicit = set(LOADER_KEYS) if train_cfg is not None else set(train_kwargs)
+        self.cell_gears_net = None  # trained here, the model is this project's network
         loaders = self._loaders(cfg, explicit)
         if "train_loader" not in loaders:
             raise GearsInputError(f"split {self.pert_data.split.split_type!r} has no training set")
@@ -260,7 +270,7 @@ class GEARS:
         """
         if self.model is None:
             raise GearsInputError("no model: call model_initialize()+train() or load_pretrained()")
-        delta, logvar = predict_deltas(self.model, self._pert_rows(pert_list))
+        delta, logvar = predict_deltas(self.prediction_net(), self._pert_rows(pert_list))
         keys = ["_".join(g for g in ([p] if isinstance(p, str) else p)) for p in pert_list]
         pred = {k: delta[i] + self.ctrl_expression for i, k in enumerate(keys)}
         if logvar is not None:
@@ -295,9 +305,8 @@ class GEARS:
         return plot_perturbation(self.pert_data, cond, next(iter(pred.values())), save_file)
 
     def evaluate(self, set_name: str = "test", control_mean: str = "all") -> dict:
-        return Evaluator(self.pert_data, self.env, self.model, control_mean=control_mean).full(
-            set_name
-        )
+        net = self.prediction_net()
+        return Evaluator(self.pert_data, self.env, net, control_mean=control_mean).full(set_name)
 
     # ---------------------------------------------------------------------------- save / load
     def save_model(self, path: str | Path) -> None:
@@ -329,8 +338,45 @@ class GEARS:
         vocab = ckpt.vocab_hash(self.gene_list, self.pert_list)
         return {"vocab_hash": vocab, **self.model_cfg.shape_fields()}
 
-    def load_pretrained(self, path: str | Path) -> GEARS:
+    @classmethod
+    def from_cell_gears(
+        cls,
+        path: str | Path,
+        adata,
+        gene2go,
+        gene_set=None,
+        device: str = "cpu",
+        check_go_graph: bool = True,
+        cell_gears_predict: bool = True,
+    ) -> GEARS:
+        """A GEARS ready to predict from a model folder saved by cell-gears 0.1.2 and the data
+        it was trained on, without this project's PertData: adata (AnnData or .h5ad path, e.g.
+        its perturb_processed.h5ad), gene2go (its gene2go_all.pkl) and, for cell-gears's
+        default perturbation graph, gene_set (its essential_all_data_pert_genes.pkl) give the
+        gene and perturbation order as cell-gears builds it (gears/cell_gears.py,
+        docs/cell_gears_models.md). Predictions add the mean of all the data's control cells."""
+        from gears import cell_gears
+
+        vocab = cell_gears.vocabulary_of_data(adata, gene2go, gene_set)
+        model = cls(vocab, device=device)
+        return model.load_pretrained(path, check_go_graph, cell_gears_predict)
+
+    def load_pretrained(
+        self, path: str | Path, check_go_graph: bool = True, cell_gears_predict: bool = True
+    ) -> GEARS:
+        """Load a model folder written by save_model, or by cell-gears's save_model (config.pkl
+        + model.pt; gears/cell_gears.py, docs/cell_gears_models.md). A cell-gears model's
+        vocabulary must be this PertData's: its sizes are checked, and with check_go_graph its
+        perturbation order against the model's GO graph. cell_gears_predict: predict as
+        cell-gears's predict() does (True, same numbers) or with this project's network, which
+        applies the co-expression graph to every cell (False)."""
+        from gears import cell_gears
+
         path = Path(path)
+        if cell_gears.is_cell_gears_folder(path):
+            return cell_gears.load_into(
+                self, path, check_go=check_go_graph, cell_gears_predict=cell_gears_predict
+            )
         if not (path / CONFIG_FILE).exists():
             raise GearsInputError(f"{path} has no {CONFIG_FILE}: not a saved GEARS model folder")
         meta = json.loads((path / CONFIG_FILE).read_text())

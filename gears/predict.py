@@ -25,6 +25,7 @@ import numpy as np
 import pandas as pd
 import scipy.sparse as sp
 
+from gears import cell_gears
 from gears import checkpoint as ckpt
 from gears.api import GEARS
 from gears.data.conditions import CTRL, canonical_condition, condition_genes
@@ -50,9 +51,21 @@ CELL_EVAL_INSTALL = (
 )
 
 
-def load_model(path: str | Path, device: str = "cpu"):
-    """A saved model folder -> (GEARS ready to predict, prediction info dict, control AnnData)."""
+def load_model(
+    path: str | Path,
+    device: str = "cpu",
+    data: str | Path | None = None,
+    gene2go: str | Path | None = None,
+    gene_set: str | Path | None = None,
+):
+    """A saved model folder -> (GEARS ready to predict, prediction info dict, control AnnData).
+
+    A folder saved by cell-gears (config.pkl + model.pt) holds no names and no control cells:
+    they come from `data` (the .h5ad it was trained on), `gene2go` and `gene_set`
+    (load_cell_gears_model)."""
     path = Path(path)
+    if cell_gears.is_cell_gears_folder(path):
+        return load_cell_gears_model(path, device, data, gene2go, gene_set)
     if not (path / CONFIG_FILE).exists() or not (path / MODEL_FILE).exists():
         raise GearsInputError(
             f"{path} is not a saved GEARS model folder (no {CONFIG_FILE} / {MODEL_FILE}); "
@@ -73,6 +86,47 @@ def load_model(path: str | Path, device: str = "cpu"):
     controls = ad.read_h5ad(path / CONTROL_CELLS_FILE)
     if list(controls.var_names) != list(meta["gene_names"]):
         raise GearsInputError(f"{path / CONTROL_CELLS_FILE} does not match the model's genes")
+    return model, info, controls
+
+
+def load_cell_gears_model(
+    path: Path,
+    device: str,
+    data: str | Path | None,
+    gene2go: str | Path | None,
+    gene_set: str | Path | None = None,
+):
+    """load_model for a cell-gears folder: the vocabulary rebuilt from `data` and `gene2go` as
+    cell-gears builds it (gears.cell_gears.cell_gears_vocabulary), the control cells a seeded
+    sample of the data's (at most MAX_SAVED_CONTROL_CELLS), conditions spelled as GEARS spells
+    them (obs 'condition': 'A+ctrl', 'A+B', 'ctrl')."""
+    if data is None or gene2go is None:
+        raise GearsInputError(
+            f"{path} is a cell-gears model folder (config.pkl + model.pt): it holds no gene "
+            "names and no control cells. Pass --data with the .h5ad it was trained on (its "
+            "<data_path>/<dataset>/perturb_processed.h5ad) and --gene2go with its "
+            "gene2go_all.pkl (plus --gene-set essential_all_data_pert_genes.pkl if it was "
+            "trained with cell-gears's default perturbation graph); docs/cell_gears_models.md"
+        )
+    if not Path(data).is_file():
+        raise GearsInputError(f"--data {data} does not exist")
+    adata = ad.read_h5ad(data, backed="r")
+    model = GEARS.from_cell_gears(path, adata, gene2go, gene_set, device=device)
+    ctrl_rows = np.flatnonzero(adata.obs["condition"].astype(str).values == CTRL)
+    rows = control_sample_rows(ctrl_rows, MAX_SAVED_CONTROL_CELLS, seed=0)
+    controls = ad.AnnData(
+        X=sp.csr_matrix(adata.X[rows], dtype=np.float32),
+        obs=pd.DataFrame(index=adata.obs_names.astype(str).values[rows]),
+        var=pd.DataFrame(index=list(model.gene_list)),
+    )
+    info = {
+        "condition_key": "condition",
+        "control_label": CTRL,
+        "condition_spelling": {},
+        "normalize_target_sum": None,
+        "n_control_cells": int(len(ctrl_rows)),
+        "n_saved_control_cells": int(len(rows)),
+    }
     return model, info, controls
 
 
@@ -404,7 +458,7 @@ def predict_cells(
     conditions = resolve_perturbations(labels, model.pert_data.node_map_pert, control_names)
     labels = data_spelling(conditions, labels, info.get("condition_spelling", {}))
     rows = model._pert_rows([condition_genes(c) for c in conditions])
-    delta, logvar = predict_deltas(model.model, rows)
+    delta, logvar = predict_deltas(model.prediction_net(), rows)
     args = (
         labels,
         conditions,
