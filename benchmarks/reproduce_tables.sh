@@ -47,11 +47,12 @@ for table in $TABLES; do
         seeds_gears_paper) seeds seeds_gears_paper --config configs/gears_paper.yaml ;;
         control_mean)
             header control_mean "python benchmarks/control_mean.py [--config configs/perturbench_norman.yaml]"
+            table='^(seed |mean | +[0-9]+ +[0-9]+ )'  # its table, without the data reports
             { echo '```'; echo "default synthetic screen:"
-              python benchmarks/control_mean.py "out_dir=$WORK/control_mean"
+              python benchmarks/control_mean.py "out_dir=$WORK/control_mean" | grep -E "$table"
               echo; echo "real Norman subset:"
               python benchmarks/control_mean.py --config configs/perturbench_norman.yaml \
-                  "out_dir=$WORK/control_mean_norman"
+                  "out_dir=$WORK/control_mean_norman" | grep -E "$table"
               echo '```'; } | tee -a "$RESULTS/control_mean.md" ;;
         vs_cell_gears)
             # vs_cell_gears.py names its commit and command in its own .md and .json.
