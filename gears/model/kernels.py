@@ -449,7 +449,10 @@ class WeightedBatchNorm1d(nn.BatchNorm1d):
         if torch.is_tensor(n):
             n = n.to(dtype)
             # A batch whose rows all weigh 0 (no perturbed cell) leaves the statistics alone.
-            m = torch.where(n > 0, m, 0.0).to(dtype)
+            # (n > 0) * m keeps m exact in the running statistics' dtype; torch.where(n > 0, m,
+            # 0.0) made it a float32 0.1, so float64 running statistics drifted by 1.5e-8 of
+            # each update.
+            m = (n > 0).to(dtype) * m
             unbiased = var.to(dtype) * (n / (n - 1).clamp(min=1))
         else:
             if n <= 0:
