@@ -168,11 +168,10 @@ class GEARSNet(nn.Module):
     def _check_batch_cells(self, n_cells: torch.Tensor | float) -> None:
         """A training batch must stand for two or more cells: batch-norm normalises over them
         (GEARS crashed on one cell; the weighted kernels would return each norm's bias).
-        Checked where it costs no host sync: n_cells a Python number or a CPU tensor."""
-        if torch.is_tensor(n_cells) and n_cells.device.type != "cpu":
-            return
-        if float(n_cells) >= 2 or self.bn_emb.sync:  # synchronised: the cells of every process
-            return
+        Checked where it costs no host read: n_cells a Python number (the engine gives one
+        whenever a batch's rows are equal, a batch of one cell included)."""
+        if torch.is_tensor(n_cells) or n_cells >= 2 or self.bn_emb.sync:
+            return  # (synchronised: the cells of every process count)
         if any(m.training for m in self.modules() if isinstance(m, nn.BatchNorm1d)):
             raise GearsInputError(
                 "a training batch of one cell: batch-norm needs two or more cells to normalise; "
