@@ -352,7 +352,9 @@ class Trainer:
         dist_cfg = dist_cfg or DistributedConfig()
         check_impl(model_cfg, train_cfg, dist_cfg)
         if env.distributed:
-            self.net.set_sync_batchnorm(dist_cfg.sync_batchnorm)
+            set_sync = getattr(self.net, "set_sync_batchnorm", None)  # (the fast network's)
+            if set_sync is not None:
+                set_sync(dist_cfg.sync_batchnorm)
             # The graphs are built identically on every rank: DDP's default would broadcast
             # them (MBs at genome scale) from rank 0 before every forward.
             DDP._set_params_and_buffers_to_ignore_for_model(self.net, graph_buffer_names(self.net))
