@@ -17,7 +17,7 @@ from gears.distributed import DistEnv, choose_device
 from gears.engine import Trainer
 from gears.errors import GearsInputError
 from gears.evaluate import Evaluator, predict_deltas
-from gears.model.network import GEARSNet
+from gears.model import NETWORKS, GEARSNet, GEARSReference
 from gears.model_folder import CONFIG_FILE, MODEL_FILE, write_prediction_inputs
 
 # TrainConfig fields that shape the data loaders (PertData.dataloader_settings has them too).
@@ -58,7 +58,7 @@ class GEARS:
         self.seed = seed
         self.config: dict | None = None  # config.json: model_cfg and the graph settings
         self.model_cfg: ModelConfig | None = None
-        self.model: GEARSNet | None = None
+        self.model: GEARSNet | GEARSReference | None = None
         # A model loaded from cell-gears: its predict() protocol around self.model (predictions
         # equal cell-gears's); None otherwise (gears/cell_gears.py CellGearsPrediction).
         self.cell_gears_net: torch.nn.Module | None = None
@@ -150,7 +150,12 @@ class GEARS:
 
     def _build(self, go_ei, go_w, co_ei, co_w) -> None:
         self.cell_gears_net = None
-        self.model = GEARSNet(
+        if self.model_cfg.impl not in NETWORKS:
+            raise GearsInputError(
+                f"model.impl={self.model_cfg.impl!r} is not one of {tuple(NETWORKS)}"
+            )
+        network = NETWORKS[self.model_cfg.impl]  # model.impl: fast or reference
+        self.model = network(
             self.model_cfg, len(self.gene_list), len(self.pert_list), go_ei, go_w, co_ei, co_w
         ).to(self.device)
         self.graphs = {"go": (go_ei, go_w), "coexpress": (co_ei, co_w)}

@@ -79,6 +79,10 @@ class ModelConfig:
     direction_lambda: float = 0.1
     direction_temperature: float = 0.1
     gamma: float = 2.0
+    # Which network computes GEARS: fast (gears/model/network.py: one row per distinct
+    # perturbation, fused kernels) or reference (gears/model/reference.py: one row per cell,
+    # plain PyTorch, several times slower). Same weights; saved models record it.
+    impl: str = "fast"
 
     def shape_fields(self) -> dict:
         """{"model.<name>": value} of the fields that change the weights: what a saved model or
@@ -88,8 +92,15 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, values: dict) -> ModelConfig:
-        """The fields of a saved config.json (other keys ignored; absent ones default)."""
-        return cls(**{f.name: values[f.name] for f in fields(cls) if f.name in values})
+        """The fields of a saved config.json (other keys ignored; absent ones default: a folder
+        written before model.impl existed loads as fast)."""
+        cfg = cls(**{f.name: values[f.name] for f in fields(cls) if f.name in values})
+        if cfg.impl not in CHOICES["model.impl"]:
+            raise GearsInputError(
+                f"config.json names model.impl={cfg.impl!r}; this code knows "
+                f"{CHOICES['model.impl']}: edit config.json or use the code that wrote it"
+            )
+        return cfg
 
 
 @dataclass
@@ -179,6 +190,7 @@ class Config:
 
 
 CHOICES = {
+    "model.impl": ("fast", "reference"),
     "train.schedule": ("step", "cosine", "constant"),
     "train.precision": ("fp32", "bf16", "fp16"),
     "train.optimizer": ("adam", "adamw", "sgd"),
@@ -447,8 +459,27 @@ def load_config(
     return cfg
 
 
+def check_impl(model: ModelConfig, train: TrainConfig, dist: DistributedConfig) -> None:
+    """Refuse the settings that model.impl=reference cannot run with, by name."""
+    if model.impl != "reference":
+        return
+    if train.compile:
+        raise GearsInputError(
+            "train.compile=true needs model.impl=fast: the reference network's per-cell rows "
+            "and data-dependent shapes break the compiled graph (inductor fails on its "
+            "nonzero and recompiles per batch); drop train.compile or use model.impl=fast"
+        )
+    if dist.sync_batchnorm:
+        raise GearsInputError(
+            "distributed.sync_batchnorm=true needs model.impl=fast: the reference network's "
+            "nn.BatchNorm1d normalises each process's cells (PyTorch's SyncBatchNorm runs on "
+            "GPUs only); drop distributed.sync_batchnorm or use model.impl=fast"
+        )
+
+
 def _check(cfg: Config) -> None:
     """Ranges (DOMAIN) and the free-form keys' contents, checked once every source is merged."""
+    check_impl(cfg.model, cfg.train, cfg.distributed)
     for key, (low, high, open_low) in DOMAIN.items():
         value = cfg
         for part in key.split("."):

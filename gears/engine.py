@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gears import checkpoint as ckpt
-from gears.config import CHOICES, DistributedConfig, ModelConfig, TrainConfig
+from gears.config import CHOICES, DistributedConfig, ModelConfig, TrainConfig, check_impl
 from gears.device import to_device, to_host
 from gears.distributed import (
     DistEnv,
@@ -350,8 +350,11 @@ class Trainer:
         self.amp_dtype = autocast_dtype(train_cfg.precision, self.device)
         self.net = model.to(self.device)
         dist_cfg = dist_cfg or DistributedConfig()
+        check_impl(model_cfg, train_cfg, dist_cfg)
         if env.distributed:
-            self.net.set_sync_batchnorm(dist_cfg.sync_batchnorm)
+            set_sync = getattr(self.net, "set_sync_batchnorm", None)  # (the fast network's)
+            if set_sync is not None:
+                set_sync(dist_cfg.sync_batchnorm)
             # The graphs are built identically on every rank: DDP's default would broadcast
             # them (MBs at genome scale) from rank 0 before every forward.
             DDP._set_params_and_buffers_to_ignore_for_model(self.net, graph_buffer_names(self.net))
@@ -450,7 +453,9 @@ class Trainer:
         shapes few): RepeatRows when counts share a divisor g > 1 that makes at most one more
         row (grouped batches: [8, 4, 4, ...] -> uniform rows of 4; the weighted path costs
         more than one row), CELL_ROWS when deduplication removes few rows; else None
-        (weighted)."""
+        (weighted). A per-cell network (model.impl=reference) always takes CELL_ROWS."""
+        if getattr(self.net, "per_cell_rows", False):
+            return CELL_ROWS
         if bool((counts == counts[0]).all()):
             return float(counts[0])
         if self.cfg.compile:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gears.config import Config, load_config, valid_keys
+from gears.config import Config, ModelConfig, load_config, valid_keys
 from gears.errors import GearsInputError
 from gears.run import DEFAULT_CONFIG
 
@@ -67,6 +67,7 @@ def test_overrides_types_and_files(tmp_path):
         ("train.epochs=0", "must be >= 1"),
         ("train=3", "is a section"),
         ("train.epochs", "must look like key=value"),
+        ("model.impl=slow", "must be one of"),
     ],
 )
 def test_bad_config_is_a_clear_error(override, message):
@@ -86,3 +87,15 @@ def test_missing_config_file(tmp_path):
     with pytest.raises(GearsInputError, match="does not exist"):
         load_config(tmp_path / "nope.yaml")
     assert Config().train.grad_accum_steps == 1
+
+
+def test_model_impl_choices_and_refusals():
+    assert load_config(None, []).model.impl == "fast"
+    assert load_config(None, ["model.impl=reference"]).model.impl == "reference"
+    for combo in ("train.compile=true", "distributed.sync_batchnorm=true"):
+        with pytest.raises(GearsInputError, match=f"{combo} needs model.impl=fast"):
+            load_config(None, ["model.impl=reference", combo])
+        load_config(None, [combo])  # the fast network runs it
+    assert ModelConfig.from_dict({"hidden_size": 8}).impl == "fast"  # folders before impl
+    with pytest.raises(GearsInputError, match="model.impl='slow'"):
+        ModelConfig.from_dict({"impl": "slow"})

@@ -15,7 +15,7 @@ from helpers import metrics_without_timing, run_train_cli, tiny_split
 
 from gears import checkpoint as ckpt
 from gears.api import GEARS
-from gears.config import TrainConfig
+from gears.config import DistributedConfig, ModelConfig, TrainConfig
 from gears.data.pertdata import PertData
 from gears.distributed import DistEnv
 from gears.engine import Trainer, autocast_dtype, seed_everything
@@ -298,6 +298,69 @@ def test_predict_equals_mean_of_per_cell_predictions(tiny):
     with torch.no_grad():
         per_cell = (net(index) + x).mean(0).numpy()
     np.testing.assert_allclose(model.predict([[gene]])[gene], per_cell, atol=1e-5)
+
+
+def build_impl(pd_: PertData, impl: str) -> GEARS:
+    seed_everything(0)
+    return GEARS(pd_, device="cpu").initialize(ModelConfig(hidden_size=16, impl=impl))
+
+
+def test_reference_network_trains_to_the_same_weights(tiny, tmp_path):
+    """model.impl=reference through the engine (one row per cell) and the fast network (its
+    equal-count, weighted and per-cell row layouts) from one seed: the same weights after 10
+    grouped and random batches, the same predictions, and a saved reference folder loads as the
+    reference (config.json's impl), or as the fast network without the key (older folders).
+    Both in float64: in float32 the two runs' rounding differences (1e-5 after one step) grow
+    ~10x a step; SGD, as Adam turns the rounding noise of the gradients that are zero by design
+    (biases before a batch-norm) into full steps."""
+    # One thread (the suite's fixture restores the count): on a busy 2-core machine two OpenMP
+    # threads wait on each other at every small kernel (20 s instead of 5 s here).
+    torch.set_num_threads(1)
+    fast, ref = build_impl(tiny, "fast"), build_impl(tiny, "reference")
+    assert type(ref.model).__name__ == "GEARSReference"
+    grouped = group_batches(tiny, 12, 4, 3)  # equal counts
+    ds = tiny.example_set("train")
+    gen = np.random.default_rng(0)
+    random = [ds[gen.choice(len(ds), 16, replace=False)] for _ in range(6)]
+    for model in (fast, ref):
+        model.model.double()
+        fit_on(tiny, model, grouped + random, optimizer="sgd", lr=0.01, weight_decay=0.0)
+    pf, pr = params(fast), params(ref)
+    p0 = params(build_impl(tiny, "fast"))
+    assert sum(not torch.allclose(pf[k], p0[k].to(pf[k].dtype)) for k in pf) > 30  # trained
+    for k in pf:
+        torch.testing.assert_close(pf[k], pr[k], atol=1e-9, rtol=1e-6, msg=k)
+    genes = [[str(g)] for g in tiny.pert_names[:3]]
+    want = fast.predict(genes)
+    ref.save_model(tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert config["impl"] == "reference"
+    loaded = GEARS(tiny, device="cpu").load_pretrained(tmp_path / "m")
+    assert type(loaded.model).__name__ == "GEARSReference"
+    del config["impl"]
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    old = GEARS(tiny, device="cpu").load_pretrained(tmp_path / "m")
+    assert type(old.model).__name__ == "GEARSNet"
+    for got in (loaded.predict(genes), old.predict(genes)):  # (loaded as float32)
+        for k in want:
+            np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-5)
+
+
+def test_reference_refuses_what_it_cannot_run(tiny):
+    ref = build_impl(tiny, "reference")
+    for train_cfg, dist_cfg, key in (
+        (TrainConfig(compile=True), DistributedConfig(), "train.compile"),
+        (TrainConfig(), DistributedConfig(sync_batchnorm=True), "distributed.sync_batchnorm"),
+    ):
+        with pytest.raises(GearsInputError, match=f"{key}=true needs model.impl=fast"):
+            Trainer(ref.model, tiny, train_cfg, ref.model_config(), DistEnv(), dist_cfg=dist_cfg)
+
+
+def test_training_batch_of_one_cell_is_a_clear_error(tiny):
+    for impl in ("fast", "reference"):
+        model = build_impl(tiny, impl)
+        with pytest.raises(GearsInputError, match="train.batch_size >= 2"):
+            train(tiny, model, epochs=1, batch_size=1, limit_batches=1)
 
 
 def test_gi_predict_returns_gears_keys(tiny):

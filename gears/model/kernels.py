@@ -329,6 +329,12 @@ class WeightedBatchNorm1d(nn.BatchNorm1d):
         self._update_running(mean.detach(), var.detach(), total)
         return (xf - mean) * torch.rsqrt(var + self.eps) * self.weight + self.bias
 
+    def _momentum(self) -> float:
+        """The running statistics' update weight: momentum, or 1 / batches counted (None)."""
+        if self.momentum is not None:
+            return self.momentum
+        return 1.0 / max(float(self.num_batches_tracked), 1.0)  # (a host read, as in PyTorch)
+
     @staticmethod
     def _weighted_stats(
         xf: torch.Tensor, w: torch.Tensor, distributed: bool
@@ -443,17 +449,23 @@ class WeightedBatchNorm1d(nn.BatchNorm1d):
         times a step, where each op's dispatch costs about what its work does."""
         if not self.track_running_stats:
             return
-        self.num_batches_tracked.add_(1)  # (+= would also run nn.Module.__setattr__)
-        m = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
         dtype = self.running_mean.dtype
         if torch.is_tensor(n):
+            # A batch whose rows all weigh 0 (no perturbed cell) is not one: it leaves the
+            # statistics and the count alone (GEARS skips the fusion MLP for it).
+            counted = n > 0
+            self.num_batches_tracked.add_(counted.long())  # (+= would run __setattr__)
             n = n.to(dtype)
-            # A batch whose rows all weigh 0 (no perturbed cell) leaves the statistics alone.
-            m = torch.where(n > 0, m, 0.0).to(dtype)
+            # counted * m keeps m exact in the statistics' dtype: torch.where(n > 0, m, 0.0)
+            # made it a float32 0.1, and float64 running statistics drifted by 1.5e-8 of each
+            # update.
+            m = counted.to(dtype) * self._momentum()
             unbiased = var.to(dtype) * (n / (n - 1).clamp(min=1))
         else:
             if n <= 0:
                 return
+            self.num_batches_tracked.add_(1)
+            m = self._momentum()
             unbiased = var.to(dtype) * (n / max(n - 1, 1))
         self.running_mean.lerp_(mean.to(dtype), m)
         self.running_var.lerp_(unbiased, m)

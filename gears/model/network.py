@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from gears.config import ModelConfig
+from gears.errors import GearsInputError
 from gears.model.kernels import (
     WeightedBatchNorm1d,
     csr_to_padded_rows,
@@ -164,6 +165,19 @@ class GEARSNet(nn.Module):
             if isinstance(m, WeightedBatchNorm1d):
                 m.sync = enabled
 
+    def _check_batch_cells(self, n_cells: torch.Tensor | float) -> None:
+        """A training batch must stand for two or more cells: batch-norm normalises over them
+        (GEARS crashed on one cell; the weighted kernels would return each norm's bias).
+        Checked where it costs no host read: n_cells a Python number (the engine gives one
+        whenever a batch's rows are equal, a batch of one cell included)."""
+        if torch.is_tensor(n_cells) or n_cells >= 2 or self.bn_emb.sync:
+            return  # (synchronised: the cells of every process count)
+        if any(m.training for m in self.modules() if isinstance(m, nn.BatchNorm1d)):
+            raise GearsInputError(
+                "a training batch of one cell: batch-norm needs two or more cells to normalise; "
+                "use train.batch_size >= 2 (or train.freeze_batchnorm=true)"
+            )
+
     def gene_embeddings(self, n_cells) -> torch.Tensor:
         """Cell-independent part: the base gene embedding [G, H]."""
         emb = torch.relu(self.bn_emb(all_rows_max_norm(self.gene_emb), n_cells))
@@ -200,6 +214,8 @@ class GEARSNet(nn.Module):
         per_row = counts if torch.is_tensor(counts) and counts.dim() == 1 else None
         m = 1.0 if counts is None or per_row is not None else counts
         n_cells = per_row.sum() if per_row is not None else U * m
+        if self.training:
+            self._check_batch_cells(n_cells)
         # Gene- and perturbation-level work runs in fp32 even under autocast: it is computed
         # once and broadcast to every cell, so its rounding errors are shared by the whole batch
         # instead of averaging out (bf16 training then drifts with the CPU's kernels and thread

@@ -1,0 +1,91 @@
+"""gears/check_model.py: the fork guard passes on the code as it is, and names the layer where an
+edit of the fast network departs from the reference (the edits monkeypatched in)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import TINY_CLI
+from torch import nn
+
+from gears import check_model as cm
+from gears.config import load_config
+from gears.distributed import DistEnv
+from gears.model import network, reference
+from gears.run import DEFAULT_CONFIG, load_pert_data
+
+
+def _overrides(data_dir) -> list[str]:
+    return [f"data.data_dir={data_dir}", f"data.synthetic={TINY_CLI}", "wandb.mode=disabled"]
+
+
+@pytest.fixture(scope="module")
+def screen(tmp_path_factory):
+    """(config, PertData) of the tiny synthetic screen."""
+    cfg = load_config(None, _overrides(tmp_path_factory.mktemp("data")), base=DEFAULT_CONFIG)
+    return cfg, load_pert_data(cfg, DistEnv())
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    torch.set_num_threads(1)  # (conftest restores the count) small kernels: no thread handoff
+
+
+def test_code_as_it_is_passes(screen, capsys):
+    cfg, _ = screen
+    assert cm.main([*_overrides(cfg.data.data_dir), "model.uncertainty=true"]) == 0
+    out = capsys.readouterr().out
+    assert "OK: every layer agrees" in out
+    for layer in ("pert_fuse.norms.0", "recovery_w.linears.1", "uncertainty_w.norms.2"):
+        assert layer in out  # compared, with a row in the table
+
+
+def test_plain_batchnorm_in_both_mlps_is_named(screen, monkeypatch):
+    """A batch-norm appended to the MLP of both networks, written plainly in the fast one: its
+    rows are distinct perturbations, so it ignores their cells (and counts controls in the
+    fusion MLP). The check names it."""
+
+    def init(self, sizes, _init):
+        _init(self, sizes)
+        self.extra = nn.BatchNorm1d(sizes[-1])
+
+    for module in (network, reference):
+        _init = module.MLP.__init__
+        monkeypatch.setattr(module.MLP, "__init__", lambda s, sizes, i=_init: init(s, sizes, i))
+    fast_forward, ref_forward = network.MLP.forward, reference.MLP.forward
+    monkeypatch.setattr(
+        network.MLP, "forward", lambda s, x, w=None, b=None: s.extra(fast_forward(s, x, w, b))
+    )
+    monkeypatch.setattr(reference.MLP, "forward", lambda s, x: s.extra(ref_forward(s, x)))
+    report = cm.check_model(*screen)
+    assert not report.ok and report.first_departing().endswith(".extra"), report.table()
+    assert "DEPARTS first at" in report.table()
+
+
+def test_dropout_in_the_fast_mlp_is_named(screen, monkeypatch):
+    """Dropout after each hidden layer of the fast MLP only: the next Linear departs first."""
+
+    def forward(self, x, weight=None, blocks=None):
+        last = len(self.linears) - 1
+        for i, (linear, norm) in enumerate(zip(self.linears, self.norms)):
+            x = norm(linear(x), weight, blocks)
+            if i < last:
+                x = F.dropout(torch.relu(x), 0.1, self.training)
+        return x
+
+    monkeypatch.setattr(network.MLP, "forward", forward)
+    report = cm.check_model(*screen)
+    assert report.first_departing() == "emb_trans_v2.linears.1", report.table()
+
+
+def test_weights_that_do_not_load_are_a_clear_failure(screen, monkeypatch):
+    _init = network.MLP.__init__
+
+    def init(self, sizes):
+        _init(self, sizes)
+        self.scale = nn.Parameter(torch.ones(1))
+
+    monkeypatch.setattr(network.MLP, "__init__", init)
+    report = cm.check_model(*screen)
+    assert not report.ok and "emb_trans_v2.scale" in report.table()
