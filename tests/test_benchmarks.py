@@ -60,7 +60,12 @@ def test_bench_train_quick_prints_every_row(tmp_path):
     assert grouped is not None and float(grouped.group(3)) <= 8
     # --json: the figures in the documented layout, cells/s medians.
     figures = json.loads(json_path.read_text())
-    assert set(figures) == {"threads", "bound", "dedup_bound", "engine", "cell_gears"}
+    provenance = {"commit", "command", "date", "machine"}  # benchmarks/provenance.py
+    assert set(figures) == {"threads", "bound", "dedup_bound", "engine", "cell_gears"} | provenance
+    head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True)
+    if head.returncode == 0:  # a checkout: the figures name its commit
+        assert figures["commit"].startswith(head.stdout.decode().strip())
+    assert "bench_train.py" in figures["command"]
     assert figures["threads"] == 1
     for key in ("bound", "dedup_bound"):
         assert set(figures[key]) == {"fp32", "bf16"} and min(figures[key].values()) > 0
