@@ -581,7 +581,15 @@ def test_sigterm_to_the_torchrun_agent_stops_the_workers_cleanly(tmp_path, torch
     reference = _run_dir(torchrun_run)
     at = _steps_per_epoch(reference) + 2
     run = _torchrun(tmp_path, env=_env(GEARS_FAULT_KILL=f"0:step:{at}:TERM:parent"))
-    assert run.returncode == 1, run.why()
+    # torchrun exits 1 on its SignalException. Under load its agent (torch's process, none of
+    # ours) sometimes aborts while the interpreter tears down after that exception: a C++
+    # thread still joinable ("terminate called without an active exception", SIGABRT), seen
+    # once in a 2-core CI run. Either way the agent has already stopped the workers, which is
+    # what the assertions below check.
+    agent_abort = run.returncode == -signal.SIGABRT and (
+        "terminate called without an active exception" in run.stderr
+    )
+    assert run.returncode == 1 or agent_abort, run.why()
     assert "SignalException: Process" in run.stderr and "got signal: 15" in run.stderr
     assert run.stderr.count("closing signal SIGTERM") == 2, run.why()  # forwarded to both
     assert "Unable to shutdown process" not in run.stderr, run.why()  # no SIGKILL needed
