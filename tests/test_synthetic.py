@@ -24,7 +24,7 @@ SMALL = dict(n_genes=120, n_single=16, n_double=12, cells_per_condition=20, n_co
 @pytest.fixture(scope="module")
 def timed_default() -> tuple[SyntheticScreen, float]:
     # CPU seconds of this process, not wall time: a loaded CI machine stretches wall time
-    # several-fold, while an accidental O(cells^2) step would still show here (~1.6 s today).
+    # several-fold, while an accidental O(cells^2) step would still show here (~1.6 s when written).
     start = time.process_time()
     screen = make_synthetic()
     return screen, time.process_time() - start
