@@ -24,11 +24,11 @@ import torch
 from torch import nn
 
 from gears.config import ModelConfig
+from gears.data.conditions import CTRL, condition_genes
 from gears.errors import GearsInputError
 from gears.model.kernels import gcn_normalised_csr
 
 CONFIG_PICKLE, WEIGHTS_FILE = "config.pkl", "model.pt"
-CTRL = "ctrl"
 
 # config.pkl keys, by what becomes of them.
 MODEL_KEYS = (
@@ -381,8 +381,7 @@ def _read_name_list(path: Path) -> list[str]:
 
 def _condition_genes(conditions: Iterable[str]) -> list[str]:
     """cell-gears's get_genes_from_perts: the genes of 'A+B' / 'A+ctrl' conditions."""
-    genes = {g for c in set(map(str, conditions)) for g in c.split("+")}
-    return sorted(genes - {CTRL})
+    return sorted({g for c in set(map(str, conditions)) for g in condition_genes(c)})
 
 
 def cell_gears_vocabulary(
