@@ -20,15 +20,6 @@ from gears.runtime import set_threads, tune_allocator
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = ROOT / "configs" / "default.yaml"
-TABLE_METRICS = (
-    "mse",
-    "mse_de",
-    "pearson",
-    "pearson_delta",
-    "pearson_delta_de",
-    "frac_correct_direction_top20_non_dropout",
-    "frac_opposite_direction_top20_non_dropout",
-)
 
 
 def parse_args(argv: list[str] | None, description: str, extra=None):
@@ -156,42 +147,6 @@ def _clean(obj):
     return obj
 
 
-def print_table(results: dict) -> None:
-    cols = ["gears", *results["baselines"].keys()]
-    rows = {"gears": results["test"], **results["baselines"]}
-    width = max(len(m) for m in TABLE_METRICS) + 2
-    print("\ntest metrics (mean over perturbations; lower mse is better, higher pearson is better)")
-    print("metric".ljust(width) + "".join(c.rjust(12) for c in cols))
-    for m in TABLE_METRICS:
-        cells = []
-        for c in cols:
-            v = rows[c].get(m)
-            cells.append(("-" if v is None else f"{v:.4f}").rjust(12))
-        print(m.ljust(width) + "".join(cells))
-    print(
-        "n_conditions".ljust(width)
-        + "".join(str(rows[c].get("n_conditions", "-")).rjust(12) for c in cols)
-    )
-    for name, sub in results["subgroups"].items():
-        print(
-            f"  subgroup {name}: mse_de {sub.get('mse_de', float('nan')):.4f}, "
-            f"pearson_delta {sub.get('pearson_delta', float('nan')):.4f} "
-            f"({sub.get('n_conditions', 0)} perturbations)"
-        )
-    fit = results.get("train_fit")
-    if fit:
-        fits = {"gears": fit, **results.get("train_fit_baselines", {})}
-        print(
-            f"train fit ({fit.get('n_conditions', 0)} training perturbations, the kept model): "
-            + "; ".join(
-                f"{k} mse_de {v.get('mse_de') or float('nan'):.4f} pearson_delta "
-                f"{v.get('pearson_delta') or float('nan'):.4f}"
-                for k, v in fits.items()
-                if k in ("gears", "train_mean", "no_change")
-            )
-        )
-
-
 def train_fit(evaluator, pert_data, pred_mean: np.ndarray) -> dict:
     """GEARS's metrics on the training perturbations (how well the kept model fits what it was
     trained on) beside the baselines on the same perturbations; rank 0 only.
@@ -298,6 +253,11 @@ def run(cfg: Config, env: DistEnv, pert_data=None) -> dict | None:
                 b = evaluator.full("test", pred_mean=bpred)["summary"]
                 results["baselines"][name] = b.pop("overall")
                 results["baseline_subgroups"][name] = b
+            if cfg.eval.control_mean == "paired":  # what the protocol adds, for the report
+                control = evaluator.control_means("test")
+                results["paired_control_alone"] = evaluator.full("test", pred_mean=control)[
+                    "summary"
+                ]["overall"]
             if cfg.eval.cell_eval:
                 results["cell_eval"] = cell_eval_test_scores(
                     cfg, pert_data, model, view["conditions"], baseline_means, out
@@ -329,6 +289,8 @@ def run(cfg: Config, env: DistEnv, pert_data=None) -> dict | None:
         text = json.dumps(results, indent=1)
         ckpt.atomic_write(out / "metrics.json", lambda tmp: tmp.write_text(text))
         if has_test:
+            from gears.report import print_table
+
             print_table(results)
             if results.get("cell_eval"):
                 from gears.predict import print_cell_eval_table
