@@ -46,10 +46,11 @@ def _stats(values: list) -> dict:
 def summarize_seeds(results: dict[int, dict]) -> dict:
     """Per-seed metrics.json contents -> mean/sd over seeds.
 
-    Returns {"seeds": [...], "best_epoch": [...], "test": {group: {model: {metric: stats}}},
-    "train_fit": {model: {metric: stats}}} where group is "overall" or a test subgroup, model is
-    "gears" or a baseline and stats is {"mean", "sd", "n", "values"} (values in seed order; a
-    seed where a baseline covers none of a group's perturbations gives None).
+    Returns {"seeds": [...], "best_epoch": [...], "select": [...], "control_mean": [...],
+    "test": {group: {model: {metric: stats}}}, "train_fit": {model: {metric: stats}}} where
+    group is "overall" or a test subgroup, model is "gears" or a baseline and stats is
+    {"mean", "sd", "n", "values"} (values in seed order; a seed where a baseline covers none of
+    a group's perturbations gives None).
     """
     seeds = sorted(results)
 
@@ -70,6 +71,8 @@ def summarize_seeds(results: dict[int, dict]) -> dict:
     summary = {
         "seeds": seeds,
         "best_epoch": [results[s].get("best_epoch") for s in seeds],
+        "select": [results[s].get("select") for s in seeds],
+        "control_mean": [results[s].get("control_mean") for s in seeds],
         "test": {},
         "train_fit": {},
     }
@@ -105,26 +108,70 @@ def _cell(stats: dict | None) -> str:
     return f"{stats['mean']:.3f}{sd}"
 
 
+def _sizes(table: dict, model: str) -> list:
+    """The model's n (perturbations scored) per seed in one row; 0 where it scored none."""
+    values = (table.get(model, {}).get("n_conditions") or {}).get("values") or []
+    return [0 if v is None else int(v) for v in values]
+
+
+def _size_text(sizes: list) -> str:
+    return "/".join(map(str, sorted(set(sizes))))
+
+
+FEWER = "*"
+COVERAGE = {"additive": "the doubles whose two singles were trained (compare on combo_seen2)"}
+
+
 def summary_markdown(summary: dict, metrics=SUMMARY_METRICS, title: str = "") -> str:
-    """One table per metric: rows = test subgroups + train fit, columns = GEARS and baselines."""
+    """One table per metric: rows = test subgroups + train fit, columns = GEARS and baselines.
+    A row's label carries GEARS's n per seed; a cell whose model scored fewer perturbations than
+    GEARS in that row, in any seed, carries its own n and a mark, explained under the tables."""
     models = _ordered({m for g in summary["test"].values() for m in g})
     lines = [f"### {title}" if title else "", ""]
     lines.append(
         f"Split seeds {summary['seeds']}; mean ± sd over seeds; kept epoch per seed "
-        f"{summary['best_epoch']}."
+        f"{summary['best_epoch']}{_protocol_text(summary)}."
     )
+    fewer: set[str] = set()
     for metric in metrics:
         lines += ["", f"**{metric}**", "", "| subgroup (n) | " + " | ".join(models) + " |"]
         lines.append("| --- " * (len(models) + 1) + "|")
         rows = [(g, summary["test"][g]) for g in summary["test"]]
         rows.append(("train fit", summary["train_fit"]))
         for group, table in rows:
-            n = (table.get("gears", {}).get("n_conditions") or {}).get("values") or []
-            sizes = sorted({int(v) for v in n if v is not None})
-            count = f" ({'/'.join(map(str, sizes))})" if sizes else ""
-            cells = [_cell(table.get(m, {}).get(metric)) for m in models]
+            gears_n = _sizes(table, "gears")
+            count = f" ({_size_text(gears_n)})" if gears_n else ""
+            cells = []
+            for m in models:
+                cell, n = _cell(table.get(m, {}).get(metric)), _sizes(table, m)
+                if (
+                    cell != "-"
+                    and n
+                    and len(n) == len(gears_n)
+                    and any(a < b for a, b in zip(n, gears_n))
+                ):
+                    cell += f" ({_size_text(n)}){FEWER}"
+                    fewer.add(m)
+                cells.append(cell)
             lines.append(f"| {group}{count} | " + " | ".join(cells) + " |")
+    if fewer:
+        lines += ["", f"{FEWER}: over fewer perturbations than gears in that row (its n per seed)."]
+        lines += [
+            f"{m} covers {COVERAGE.get(m, 'the perturbations it can predict')}."
+            for m in sorted(fewer)
+        ]
     return "\n".join(lines).strip() + "\n"
+
+
+def _protocol_text(summary: dict) -> str:
+    """'; eval.control_mean=all, train.select=last' (each as given per seed when they differ)."""
+    parts = []
+    for key, name in (("control_mean", "eval.control_mean"), ("select", "train.select")):
+        values = [v for v in summary.get(key, []) if v is not None]
+        if values:
+            shown = values[0] if len(set(values)) == 1 else "/".join(map(str, values))
+            parts.append(f"{name}={shown}")
+    return "; " + ", ".join(parts) if parts else ""
 
 
 def write_summary(root: Path, results: dict[int, dict], title: str, extra: dict) -> dict:
