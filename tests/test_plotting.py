@@ -1,0 +1,87 @@
+"""gears/plotting.py: the plots a run writes say what they show (legend and axis labels), and the
+loss axis reads as plain numbers."""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pytest
+from helpers import tiny_split
+
+from gears.engine import History
+from gears.plotting import history_figure, plot_history, plot_perturbation
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return tiny_split(tmp_path_factory.mktemp("data"))
+
+
+def _tick_labels(axis) -> list[str]:
+    axis.figure.canvas.draw()
+    ticks = axis.get_ticklabels() + axis.get_ticklabels(minor=True)
+    return [t.get_text() for t in ticks if t.get_text()]
+
+
+@pytest.mark.parametrize(
+    "loss",
+    [
+        [8.243, 8.201, 8.15],  # a default run's first epochs: the axis read 8.2x10^0
+        [120.0, 30.0, 8.0, 3.0, 1.2],  # a wide range: log axis, labelled 1, 10, 100
+    ],
+)
+def test_loss_axis_reads_as_plain_numbers(loss):
+    history = History(train_loss=loss, val=[{"mse_de": 1.0 - 0.1 * i} for i in range(len(loss))])
+    fig = history_figure(history)
+    try:
+        loss_ax, val_ax = fig.axes
+        labels = _tick_labels(loss_ax.yaxis)
+        assert labels, "the loss axis has no tick labels"
+        for text in labels:  # e.g. "8.20" or "10", never "$\\mathdefault{8.2\\times10^{0}}$"
+            float(text.replace("\N{MINUS SIGN}", "-"))
+        assert loss_ax.yaxis.get_offset_text().get_text() == ""  # no "+8.2" above the axis
+        assert loss_ax.get_yscale() == ("log" if max(loss) / min(loss) > 10 else "linear")
+        for ax in fig.axes:
+            assert ax.get_xlabel() == "epoch" and ax.get_ylabel()
+            epochs = [float(t.replace("\N{MINUS SIGN}", "-")) for t in _tick_labels(ax.xaxis)]
+            assert all(e.is_integer() for e in epochs), epochs  # whole epochs, not 1.2, 1.4
+    finally:
+        plt.close(fig)
+
+
+def test_plot_history_writes_a_png(tmp_path):
+    path = plot_history(
+        History(train_loss=[2.0, 1.0], val=[{"mse_de": 1.0}, {}]), tmp_path / "l.png"
+    )
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_perturbation_plot_has_a_legend_for_boxes_and_dots_and_an_x_label(tiny):
+    """The observed-cell boxes had no legend entry and the x axis no label."""
+    cond = next(c for c in tiny.set2conditions["test"] if c != "ctrl")
+    n_cells = int((tiny.cell_condition == tiny.cond_to_id[cond]).sum())
+    fig = plot_perturbation(tiny, cond, np.asarray(tiny.ctrl_mean) + 0.1)
+    try:
+        (ax,) = fig.axes
+        labels = [t.get_text() for t in ax.get_legend().get_texts()]
+        assert labels == [
+            f"observed: {n_cells} cells (median, quartiles, whiskers to 1.5 IQR)",
+            "predicted mean change",
+        ]
+        n_genes = len([g for g in tiny.de_idx[tiny.cond_to_id[cond]] if g >= 0])
+        assert ax.get_xlabel() == f"top {n_genes} DE genes of {cond}, most DE first"
+        assert "control mean" in ax.get_ylabel()
+    finally:
+        plt.close(fig)
+
+
+def test_an_unobserved_perturbation_says_so(tiny):
+    genes = list(tiny.gene_names[:2])
+    fig = plot_perturbation(tiny, f"{genes[0]}+{genes[1]}", np.asarray(tiny.ctrl_mean) + 0.1)
+    try:
+        (ax,) = fig.axes
+        assert ax.get_title().endswith("(not observed)")
+        assert [t.get_text() for t in ax.get_legend().get_texts()] == ["predicted mean change"]
+        assert ax.get_xlabel() == "the 20 genes with the largest predicted change"
+    finally:
+        plt.close(fig)
