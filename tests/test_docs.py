@@ -682,10 +682,13 @@ def _known_commit(name: str, cache: dict = {}) -> bool:  # noqa: B006 - a per-pr
         git = subprocess.run(
             ["git", "-C", str(ROOT), "cat-file", "-e", f"{name}^{{commit}}"], capture_output=True
         )
-        inside = subprocess.run(
-            ["git", "-C", str(ROOT), "rev-parse", "--git-dir"], capture_output=True
+        shallow = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--is-shallow-repository"],
+            capture_output=True,
+            text=True,
         )
-        cache[name] = git.returncode == 0 or inside.returncode != 0  # no git: cannot check
+        # Without git, or in a shallow clone, the history cannot say: any hash passes.
+        cache[name] = git.returncode == 0 or shallow.stdout.strip() != "false"
     return cache[name]
 
 
