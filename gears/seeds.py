@@ -119,7 +119,10 @@ def _size_text(sizes: list) -> str:
 
 
 FEWER = "*"
-COVERAGE = {"additive": "the doubles whose two singles were trained (compare on combo_seen2)"}
+COVERAGE = {
+    "additive": "only perturbations whose singles were trained (on test, the doubles of "
+    "combo_seen2: compare it there)"
+}
 
 
 def summary_markdown(summary: dict, metrics=SUMMARY_METRICS, title: str = "") -> str:

@@ -44,7 +44,7 @@ def test_a_column_over_fewer_perturbations_carries_its_n_and_a_mark():
     assert unseen == ["unseen_single (15)", "0.200 ± 0.141", "0.000 ± 0.000", "-"]
     assert fit == ["train fit (53)", "0.200 ± 0.141", "0.000 ± 0.000", "0.200 ± 0.141"]
     assert "*: over fewer perturbations than gears in that row" in md
-    assert "additive covers the doubles whose two singles were trained" in md
+    assert "additive covers only perturbations whose singles were trained" in md
 
 
 def test_a_seed_where_a_column_scored_nothing_counts_as_fewer():
