@@ -27,6 +27,7 @@ from gears.config import ModelConfig
 from gears.data.conditions import CTRL, condition_genes
 from gears.errors import GearsInputError
 from gears.model.kernels import gcn_normalised_csr
+from gears.torch_compat import tensor_pickle_globals
 
 CONFIG_PICKLE, WEIGHTS_FILE = "config.pkl", "model.pt"
 
@@ -115,8 +116,7 @@ class ConfigUnpickler(pickle.Unpickler):
     other global a pickle names is refused (RefusedGlobal) before it is imported or called."""
 
     ALLOWED = {
-        ("torch._utils", "_rebuild_tensor_v2"): torch._utils._rebuild_tensor_v2,
-        ("torch._utils", "_rebuild_parameter"): torch._utils._rebuild_parameter,
+        **tensor_pickle_globals(),  # torch._utils._rebuild_tensor_v2, _rebuild_parameter
         ("torch.storage", "_load_from_bytes"): _storage_from_bytes,
         ("collections", "OrderedDict"): OrderedDict,
         ("torch", "device"): torch.device,

@@ -25,6 +25,7 @@ from gears.config import Config, TrainConfig
 from gears.distributed import DistEnv
 from gears.engine import CELL_ROWS, RepeatRows, Trainer, seed_everything
 from gears.model import NETWORKS
+from gears.torch_compat import is_batch_norm
 
 TOLERANCE = 1e-5  # relative to each tensor's scale (float64 nets, float32 loss: measured <= 2e-8)
 
@@ -182,7 +183,7 @@ def _randomise_batchnorms(net: nn.Module, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for m in net.modules():
-            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.affine:
+            if is_batch_norm(m) and m.affine:
                 n = m.num_features
                 m.weight.copy_(torch.rand(n, generator=gen, dtype=torch.float64) + 0.5)
                 m.bias.copy_(torch.randn(n, generator=gen, dtype=torch.float64) * 0.5)

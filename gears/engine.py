@@ -15,7 +15,6 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-import torch._functorch.config
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -36,6 +35,7 @@ from gears.evaluate import Evaluator
 from gears.model.kernels import gather_rows
 from gears.model.losses import gears_loss
 from gears.model.rows import pad_rows, use_cell_rows
+from gears.torch_compat import compiled_backward_config, ddp_ignore, is_batch_norm
 
 # loss_on(batch, CELL_ROWS): one row per cell instead of one per distinct perturbation.
 CELL_ROWS = "cells"
@@ -319,9 +319,7 @@ def compiled_backward_as_eager(compiled: bool):
     renormalises, fp32 included). tests/test_compile_amp.py fails without either setting."""
     if not compiled:
         return contextlib.nullcontext()
-    return torch._functorch.config.patch(
-        backward_pass_autocast="off", treat_parameters_as_free_to_save=False
-    )
+    return compiled_backward_config()  # torch._functorch.config (private): gears/torch_compat.py
 
 
 class Trainer:
@@ -357,7 +355,7 @@ class Trainer:
                 set_sync(dist_cfg.sync_batchnorm)
             # The graphs are built identically on every rank: DDP's default would broadcast
             # them (MBs at genome scale) from rank 0 before every forward.
-            DDP._set_params_and_buffers_to_ignore_for_model(self.net, graph_buffer_names(self.net))
+            ddp_ignore(self.net, graph_buffer_names(self.net))
             self.model = DDP(
                 self.net,
                 device_ids=[self.device.index] if self.device.type == "cuda" else None,  # GPU-only
@@ -529,7 +527,7 @@ class Trainer:
         self.model.train()
         if self.cfg.freeze_batchnorm:
             for m in self.net.modules():
-                if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+                if is_batch_norm(m):
                     m.eval()
 
     def resume_position(self, epoch: int) -> EpochTotals:

@@ -106,9 +106,9 @@ def load_pert_data(cfg: Config, env: DistEnv, store=None):
         return build()
 
     if store is None and env.distributed:
-        import torch.distributed as dist
+        from gears.torch_compat import default_store
 
-        store = dist.distributed_c10d._get_default_store()
+        store = default_store()
     if store is None:
         return staged()
     return build_in_stages(
