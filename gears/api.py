@@ -12,7 +12,7 @@ import torch
 from gears import checkpoint as ckpt
 from gears.config import DataConfig, DistributedConfig, ModelConfig, TrainConfig
 from gears.data.conditions import CTRL, canonical_condition, condition_genes
-from gears.device import to_host
+from gears.device import module_to_device, to_host
 from gears.distributed import DistEnv, choose_device
 from gears.engine import Trainer
 from gears.errors import GearsInputError
@@ -157,7 +157,8 @@ class GEARS:
         network = NETWORKS[self.model_cfg.impl]  # model.impl: fast or reference
         self.model = network(
             self.model_cfg, len(self.gene_list), len(self.pert_list), go_ei, go_w, co_ei, co_w
-        ).to(self.device)
+        )
+        self.model = module_to_device(self.model, self.device)  # (stand-in: DeviceTensors)
         self.graphs = {"go": (go_ei, go_w), "coexpress": (co_ei, co_w)}
 
     def model_config(self) -> ModelConfig:

@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gears import checkpoint as ckpt
 from gears.config import CHOICES, DistributedConfig, ModelConfig, TrainConfig, check_impl
-from gears.device import to_device, to_host
+from gears.device import module_to_device, to_device, to_host
 from gears.distributed import (
     DistEnv,
     all_gather_objects,
@@ -346,7 +346,7 @@ class Trainer:
         self.device = env.device
         set_tf32(self.device, train_cfg.tf32)
         self.amp_dtype = autocast_dtype(train_cfg.precision, self.device)
-        self.net = model.to(self.device)
+        self.net = module_to_device(model, self.device)
         dist_cfg = dist_cfg or DistributedConfig()
         check_impl(model_cfg, train_cfg, dist_cfg)
         if env.distributed:

@@ -67,6 +67,63 @@ def test_without_the_standin_cpu_tensors_are_plain(monkeypatch):
     assert not holds_device_memory("cpu") and holds_device_memory("cuda")
 
 
+def test_parameters_buffers_gradients_and_optimizer_states_are_device_tensors(standin, tmp_path):
+    """module_to_device (GEARS._build, Trainer) places the model: a host read of a weight, a
+    gradient, an optimizer state or a batch-norm statistic fails as it would on a GPU."""
+    from gears.api import GEARS
+    from gears.config import TrainConfig
+
+    pert_data = tiny_split(tmp_path)
+    model = GEARS(pert_data, device="cpu").model_initialize(hidden_size=8)
+    net = model.model
+    assert all(isinstance(p, DeviceTensor) for p in net.parameters())
+    assert all(isinstance(p, torch.nn.Parameter) and p.requires_grad for p in net.parameters())
+    assert all(isinstance(b, DeviceTensor) for b in net.buffers())
+    model.train(train_cfg=TrainConfig(epochs=1, limit_batches=2), progress=False)
+    state = [v for s in model.trainer.opt.state.values() for k, v in s.items() if k != "step"]
+    assert state and all(isinstance(v, DeviceTensor) for v in state)
+    batch = next(iter(pert_data.get_dataloader_distributed(8, device=torch.device("cpu"))[
+        "train_loader"
+    ]))  # fmt: skip
+    net(batch.uniq_pert_index, batch.counts).float().pow(2).mean().backward()
+    grads = [p.grad for p in net.parameters() if p.grad is not None]
+    assert grads and all(isinstance(g, DeviceTensor) for g in grads)
+    for read in (
+        lambda: float(net.indv_b1.sum()),
+        lambda: net.bn_emb.running_var.tolist(),
+        lambda: grads[0].abs().max().item(),
+        lambda: state[0].numpy(),
+    ):
+        with pytest.raises(HostReadError, match=r"test_device_standin\.py:\d+"):
+            read()
+
+
+def test_device_tensors_deep_copy_and_save_as_a_gpu_tensor_does(standin, tmp_path):
+    """A deep copy (the engine's best_state) stays on the device, a parameter stays a parameter;
+    torch.save writes plain tensors, which weights_only loading accepts (a checkpoint)."""
+    import copy
+
+    x = to_device(torch.arange(3.0), "cpu")
+    assert isinstance(copy.deepcopy(x), DeviceTensor)
+    torch.save({"x": x}, tmp_path / "x.pt")
+    loaded = torch.load(tmp_path / "x.pt", weights_only=True)["x"]
+    assert type(loaded) is torch.Tensor and loaded.tolist() == [0.0, 1.0, 2.0]
+
+    from gears.device import module_to_device
+
+    layer = module_to_device(torch.nn.Linear(3, 2), "cpu")
+    twin = copy.deepcopy(layer)
+    assert isinstance(twin.weight, DeviceTensor) and isinstance(twin.weight, torch.nn.Parameter)
+    assert twin.weight is not layer.weight
+    assert torch.equal(to_host(twin.weight), to_host(layer.weight))
+    state = copy.deepcopy(layer.state_dict())
+    assert isinstance(state["bias"], DeviceTensor)
+    torch.save({"model": state}, tmp_path / "c.pt")
+    loaded = torch.load(tmp_path / "c.pt", weights_only=True)["model"]
+    assert type(loaded["weight"]) is torch.Tensor
+    assert torch.equal(loaded["weight"], to_host(layer.weight))
+
+
 def test_a_second_loader_build_keeps_batches_on_the_device_and_unpinned(standin, tmp_path):
     """GEARS.train() again with another batch size, or get_dataloader_distributed(device=...)
     twice: the matrix is on the device already, so the batches are still born there and must
