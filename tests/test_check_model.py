@@ -57,7 +57,9 @@ def test_plain_batchnorm_in_both_mlps_is_named(screen, monkeypatch):
     monkeypatch.setattr(
         network.MLP, "forward", lambda s, x, w=None, b=None: s.extra(fast_forward(s, x, w, b))
     )
-    monkeypatch.setattr(reference.MLP, "forward", lambda s, x: s.extra(ref_forward(s, x)))
+    monkeypatch.setattr(
+        reference.MLP, "forward", lambda s, x, rows=None: s.extra(ref_forward(s, x, rows))
+    )
     report = cm.check_model(*screen)
     assert not report.ok and report.first_departing().endswith(".extra"), report.table()
     assert "DEPARTS first at" in report.table()

@@ -124,6 +124,21 @@ def test_device_tensors_deep_copy_and_save_as_a_gpu_tensor_does(standin, tmp_pat
     assert torch.equal(loaded["weight"], to_host(layer.weight))
 
 
+def test_reference_network_trains_and_predicts_with_the_standin(standin, tmp_path):
+    """model.impl=reference on the device path: its forward reads nothing on the host (it
+    counted the perturbed cells with int() and selected them with a mask, ~4 syncs a forward)."""
+    from gears.api import GEARS
+    from gears.config import ModelConfig, TrainConfig
+
+    pert_data = tiny_split(tmp_path)
+    model = GEARS(pert_data, device="cpu").initialize(ModelConfig(hidden_size=8, impl="reference"))
+    assert type(model.model).__name__ == "GEARSReference"
+    model.train(train_cfg=TrainConfig(epochs=1, limit_batches=3), progress=False)
+    genes = [[str(g)] for g in pert_data.pert_names[:2]]
+    pred = model.predict(genes)
+    assert all(np.isfinite(v).all() for v in pred.values())
+
+
 def test_a_second_loader_build_keeps_batches_on_the_device_and_unpinned(standin, tmp_path):
     """GEARS.train() again with another batch size, or get_dataloader_distributed(device=...)
     twice: the matrix is on the device already, so the batches are still born there and must

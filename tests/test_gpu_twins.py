@@ -489,3 +489,50 @@ def test_download_part_file_is_per_process(tmp_path):
     assert mine.name == f"f.bin.{socket.gethostname()}.{os.getpid()}.part"
     assert mine.read_bytes() == b"12345"  # claimed for resuming, by this process only
     assert _own_part(dest) == mine and not (tmp_path / "f.bin.part").exists()
+
+
+# -------------------------------------------- the reference network without host reads
+@pytest.mark.parametrize("momentum", [0.1, None])
+@pytest.mark.parametrize("selected", ["all", "some", "one", "none"])
+def test_batch_norm_over_selected_rows_equals_batch_norm_of_those_rows(selected, momentum):
+    """reference.batch_norm_over(norm, x, rows) against nn.BatchNorm1d on x[rows] (GEARS's lone
+    row fed twice, no row: not called): outputs of the selected rows, gradients, running
+    statistics and batch count, twice in a row (momentum None averages over the batches)."""
+    import copy
+
+    from gears.model.reference import batch_norm_over
+
+    gen = torch.Generator().manual_seed(0)
+    rows = {
+        "all": torch.ones(9, dtype=torch.bool),
+        "some": torch.tensor([1, 0, 1, 1, 0, 0, 1, 0, 1], dtype=torch.bool),
+        "one": torch.arange(9) == 4,
+        "none": torch.zeros(9, dtype=torch.bool),
+    }[selected]
+    ours = torch.nn.BatchNorm1d(5, momentum=momentum).double()
+    with torch.no_grad():
+        ours.weight.uniform_(0.5, 1.5, generator=gen)
+        ours.bias.normal_(0, 0.5, generator=gen)
+        ours.running_mean.normal_(0, 0.1, generator=gen)
+        ours.running_var.uniform_(0.5, 1.5, generator=gen)
+    plain = copy.deepcopy(ours)
+    for _ in range(2):
+        x = torch.randn(9, 5, dtype=torch.float64, generator=gen) * 3 + 1
+        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+        out = batch_norm_over(ours, x1, rows)[rows]
+        n = int(rows.sum())
+        if n:
+            chosen = x2[rows]
+            want = plain(chosen.repeat(2, 1))[:1] if n == 1 else plain(chosen)
+            torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+            weights = torch.randn(want.shape, dtype=torch.float64, generator=gen)
+            (out * weights).sum().backward()
+            (want * weights).sum().backward()
+            torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-10, atol=1e-12)
+            for a, b in ((ours.weight, plain.weight), (ours.bias, plain.bias)):
+                torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-12)
+        for name in ("running_mean", "running_var", "num_batches_tracked"):
+            torch.testing.assert_close(
+                getattr(ours, name), getattr(plain, name), rtol=1e-12, atol=0
+            )
+    assert int(ours.num_batches_tracked) == (2 if selected != "none" else 0)

@@ -7,7 +7,10 @@ Differences from cell-gears 0.1.2's GEARS_Model.forward, all of them deliberate:
 - the co-expression SGConv runs on each cell's genes (GEARS ran it on the B*G stacked rows with
   the edges of the first G, so only the first cell of a batch saw the graph);
 - a graph's normalised adjacency (PyG's gcn_norm, as SGConv computes it every call) is computed
-  once, and SGConv(K=1)'s product is written out: sum over edges j -> i of w_ij x_j, then Linear.
+  once, and SGConv(K=1)'s product is written out: sum over edges j -> i of w_ij x_j, then Linear;
+- the fusion MLP runs on every cell with its batch-norm statistics taken over the perturbed
+  cells (batch_norm_over), not on the perturbed cells picked out: the same numbers, without the
+  forward waiting for the host to count them on a GPU.
 Parameter names and shapes are GEARSNet's, so one state_dict loads into both.
 """
 
@@ -45,13 +48,47 @@ class MLP(nn.Module):
         self.linears = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
         self.norms = nn.ModuleList(nn.BatchNorm1d(b) for b in sizes[1:])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """x [N, in] -> [N, out]. rows [N] bool: the batch is these rows alone (each batch-norm's
+        statistics come from them, batch_norm_over); every row is computed, the caller keeps
+        the rows it asked for."""
         last = len(self.linears) - 1
         for i, (linear, norm) in enumerate(zip(self.linears, self.norms)):
-            x = norm(linear(x))
+            x = norm(linear(x)) if rows is None else batch_norm_over(norm, linear(x), rows)
             if i < last:
                 x = torch.relu(x)
         return x
+
+
+def batch_norm_over(norm: nn.BatchNorm1d, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """norm(x[rows]) as nn.BatchNorm1d computes it, written for every row of x [N, C] (rows [N]
+    bool): in training the batch statistics, and the running statistics' update, come from the
+    selected rows only; other rows are normalised with them too (the caller drops them). Unlike
+    x[rows], nothing waits for the host to count the rows (a sync on a GPU). GEARS feeds a lone
+    row twice (batch-norm needs two); one row gives the same mean, zero variance and running
+    update. No selected row: no update, as when norm is not called."""
+    if not norm.training and norm.track_running_stats:
+        return norm(x)  # running statistics: each row alone
+    dtype = torch.promote_types(x.dtype, torch.float32)  # batch-norm accumulates in fp32
+    xf, w = x.to(dtype), rows.to(dtype).unsqueeze(1)
+    n = w.sum()
+    mean = (w * xf).sum(0) / n.clamp(min=1)
+    var = (w * (xf - mean) ** 2).sum(0) / n.clamp(min=1)  # biased, as batch-norm normalises
+    y = (xf - mean) * torch.rsqrt(var + norm.eps)
+    if norm.affine:
+        y = y * norm.weight + norm.bias
+    if norm.training and norm.track_running_stats:
+        with torch.no_grad():
+            seen = n > 0
+            norm.num_batches_tracked.add_(seen.long())
+            momentum = norm.momentum
+            if momentum is None:  # cumulative average
+                momentum = 1.0 / norm.num_batches_tracked.clamp(min=1).to(dtype)
+            unbiased = var * (n.clamp(min=2) / (n.clamp(min=2) - 1))
+            for stat, batch_stat in ((norm.running_mean, mean), (norm.running_var, unbiased)):
+                moved = (1 - momentum) * stat + momentum * batch_stat.to(stat.dtype)
+                stat.copy_(torch.where(seen, moved, stat))
+    return y.to(x.dtype)
 
 
 class GEARSReference(nn.Module):
@@ -151,12 +188,8 @@ class GEARSReference(nn.Module):
         valid = pert_index >= 0
         summed = (F.embedding(pert_index.clamp(min=0), pert) * valid.unsqueeze(-1)).sum(1)
         perturbed = valid.any(1)
-        fused = torch.zeros_like(summed)
-        n_perturbed = int(perturbed.sum())
-        if n_perturbed == 1:  # GEARS feeds a lone perturbed cell twice (batch-norm needs 2)
-            fused[perturbed] = self.pert_fuse(summed[perturbed].repeat(2, 1))[:1]
-        elif n_perturbed > 1:
-            fused[perturbed] = self.pert_fuse(summed[perturbed])
+        fused = self.pert_fuse(summed, rows=perturbed)  # (a lone one: as GEARS feeds it twice)
+        fused = torch.where(perturbed.unsqueeze(1), fused, 0.0)  # control cells add nothing
 
         # Cell x gene rows: gene embedding plus the cell's perturbation, [B * G, H].
         h = torch.relu(self.bn_pert_base((base + fused.unsqueeze(1)).reshape(B * G, -1)))
@@ -178,8 +211,12 @@ def cell_rows(
     every row is one cell)."""
     if counts is None:
         return pert_index, None
-    n = torch.as_tensor(counts, dtype=torch.float64, device=pert_index.device)
-    n = n.expand(pert_index.shape[0])
+    # The cells the rows stand for set the batch's size, which the host must know: a number
+    # is checked as a number (the engine's one row per cell passes 1.0), counts in a tensor are
+    # read once (a wait for the device when they live on a GPU).
+    if not torch.is_tensor(counts) and float(counts) == 1.0:
+        return pert_index, None
+    n = torch.as_tensor(counts).detach().to("cpu", torch.float64).expand(pert_index.shape[0])
     if not bool(((n >= 1) & (n == n.round())).all()):
         raise GearsInputError(
             f"model.impl=reference runs one row per cell: each row's count of cells must be a "
@@ -188,4 +225,5 @@ def cell_rows(
     if bool((n == 1).all()):
         return pert_index, None
     n = n.long()
-    return pert_index.repeat_interleave(n, 0), n.cumsum(0) - n
+    rows = pert_index.repeat_interleave(n.to(pert_index.device), 0, output_size=int(n.sum()))
+    return rows, (n.cumsum(0) - n).to(pert_index.device)
