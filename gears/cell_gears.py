@@ -25,6 +25,7 @@ from torch import nn
 
 from gears.config import ModelConfig
 from gears.data.conditions import CTRL, condition_genes
+from gears.device import to_device
 from gears.errors import GearsInputError
 from gears.model.kernels import gcn_normalised_csr
 from gears.torch_compat import tensor_pickle_globals
@@ -89,7 +90,8 @@ def _storage_from_bytes(data: bytes):
     if not isinstance(data, bytes):
         raise pickle.UnpicklingError(f"a tensor storage must be bytes, not {type(data).__name__}")
     try:
-        storage = torch.load(io.BytesIO(data), weights_only=True)
+        # cell-gears saved its graphs on its device: storages tagged cuda:0 load on any machine.
+        storage = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         named = re.search(r"GLOBAL ([\w.]+)", str(e))  # torch names the global it refused
         if named:
@@ -480,7 +482,7 @@ class CellGearsPrediction(nn.Module):
         for suffix, transpose in (("", False), ("_t", True)):
             parts = gcn_normalised_csr(*no_edges, G, transpose)  # self-loops only: identity
             for name, tensor in zip(("crow", "col", "values"), parts):
-                self.register_buffer(f"self_loops_{name}{suffix}", tensor.to(device), False)
+                self.register_buffer(f"self_loops_{name}{suffix}", to_device(tensor, device), False)
 
     def forward(self, pert_index: torch.Tensor, counts=None):
         first_cell = self.net(pert_index, counts)

@@ -139,6 +139,25 @@ def test_reference_network_trains_and_predicts_with_the_standin(standin, tmp_pat
     assert all(np.isfinite(v).all() for v in pred.values())
 
 
+def test_cell_gears_model_predicts_on_the_device_path(standin):
+    """A cell-gears folder (cell_gears.read_config, read_weights, load_into) and cell-gears's
+    predict() protocol around it: every tensor the model holds is on the device, and the
+    predictions are still cell-gears's."""
+    from test_cell_gears_models import FIXTURE, GENE2GO, RECORDED, SCREEN, as_cell_gears
+
+    from gears.api import GEARS
+
+    model = GEARS.from_cell_gears(FIXTURE / "model_plain", SCREEN, GENE2GO)
+    held = dict(model.prediction_net().named_parameters()) | dict(
+        model.prediction_net().named_buffers()
+    )
+    assert any(k.startswith("self_loops_") for k in held)  # cell-gears's protocol's own
+    placed = {k: isinstance(v, DeviceTensor) for k, v in held.items()}
+    assert all(placed.values()), [k for k, on in placed.items() if not on]
+    pred, _ = as_cell_gears(model, "model_plain")
+    np.testing.assert_allclose(pred, RECORDED["model_plain/pred"], rtol=0, atol=2e-5)
+
+
 def test_a_second_loader_build_keeps_batches_on_the_device_and_unpinned(standin, tmp_path):
     """GEARS.train() again with another batch size, or get_dataloader_distributed(device=...)
     twice: the matrix is on the device already, so the batches are still born there and must

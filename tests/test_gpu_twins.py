@@ -491,6 +491,60 @@ def test_download_part_file_is_per_process(tmp_path):
     assert _own_part(dest) == mine and not (tmp_path / "f.bin.part").exists()
 
 
+# ------------------------------------------------ a cell-gears model saved on a GPU machine
+def _config_pkl_as_written_on_cuda(config: dict) -> bytes:
+    """cell-gears's config.pkl as its save_model writes it on a GPU machine: plain pickle, each
+    tensor's storage a torch.save stream whose location is cuda:0 (cell-gears keeps its graphs
+    on its device)."""
+    import io
+
+    cpu = b"X\x03\x00\x00\x00cpu"  # the location string as torch's legacy format pickles it
+
+    class OnCuda(pickle.Pickler):
+        def reducer_override(self, obj):
+            if not isinstance(obj, torch.storage.TypedStorage):
+                return NotImplemented
+            raw = io.BytesIO()
+            torch.save(obj, raw, _use_new_zipfile_serialization=False)
+            data = raw.getvalue()
+            assert data.count(cpu) == 1
+            return torch.storage._load_from_bytes, (data.replace(cpu, b"X\x06\x00\x00\x00cuda:0"),)
+
+    out = io.BytesIO()
+    OnCuda(out, protocol=4).dump(config)
+    return out.getvalue()
+
+
+def test_cell_gears_config_saved_on_a_gpu_loads_on_the_cpu(tmp_path):
+    """read_config maps the storages to the CPU (it loaded them where they were saved: on a
+    machine without CUDA, "Attempting to deserialize object on a CUDA device")."""
+    import shutil
+
+    from test_cell_gears_models import FIXTURE, GENE2GO, SCREEN
+
+    from gears.api import GEARS
+    from gears.cell_gears import read_config
+
+    config = read_config(FIXTURE / "model_plain" / "config.pkl")
+    folder = tmp_path / "model_plain"
+    shutil.copytree(FIXTURE / "model_plain", folder)
+    (folder / "config.pkl").write_bytes(_config_pkl_as_written_on_cuda(config))
+    if not torch.cuda.is_available():  # the file really names CUDA storages
+        with pytest.raises(RuntimeError, match="CUDA"):
+            pickle.loads((folder / "config.pkl").read_bytes())
+    again = read_config(folder / "config.pkl")
+    for key, value in config.items():
+        if torch.is_tensor(value):
+            assert again[key].device.type == "cpu" and torch.equal(again[key], value), key
+        else:
+            assert again[key] == value, key
+    genes = [["SG0006"], ["SG0021", "SG0030"]]
+    want = GEARS.from_cell_gears(FIXTURE / "model_plain", SCREEN, GENE2GO).predict(genes)
+    got = GEARS.from_cell_gears(folder, SCREEN, GENE2GO).predict(genes)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k])
+
+
 # -------------------------------------------- the reference network without host reads
 @pytest.mark.parametrize("momentum", [0.1, None])
 @pytest.mark.parametrize("selected", ["all", "some", "one", "none"])
