@@ -1,13 +1,17 @@
 """Smoke tests of benchmarks/bench_train.py (the quick run prints every table row) and of
-benchmarks/gpu_check.py's harness on the CPU."""
+benchmarks/gpu_check.py's harness in its CPU mode: no CUDA is an error, a check past its limit
+and a killed harness leave no child, the host-sync watch, and each stage's JSON verdict."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -77,6 +81,7 @@ def test_bench_train_quick_prints_every_row(tmp_path):
 
 
 GPU_CHECK = ROOT / "benchmarks" / "gpu_check.py"
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 def _gpu_check(*args, env: dict | None = None, timeout: float = 300):
@@ -89,63 +94,225 @@ def _gpu_check(*args, env: dict | None = None, timeout: float = 300):
     )
 
 
-def test_gpu_check_without_cuda_says_so_and_exits_0(tmp_path):
+def _tagged(run_id: str) -> list[int]:
+    """Processes of a gpu_check run: its children and theirs carry its tag."""
+    from gpu_check import tagged_pids
+
+    return tagged_pids(run_id, whole_run=True)
+
+
+def _alive(pids: list[int]) -> list[int]:
+    """The pids that are still running (not gone, not zombies)."""
+    alive = []
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            alive.append(pid)
+    return alive
+
+
+def _wait_for(condition, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = condition()
+        if got:
+            return got
+        time.sleep(0.2)
+    raise AssertionError(f"waited {timeout:g}s for {what}")
+
+
+@pytest.mark.parametrize("device", [[], ["--device", "cuda"]], ids=["default", "cuda"])
+def test_gpu_check_without_cuda_exits_non_zero_and_says_so(tmp_path, device):
+    """A torch without CUDA on the GPU machine must not read as a pass (it exited 0, ok: true)."""
     json_path = tmp_path / "gpu.json"
-    out = _gpu_check("--json", json_path, env={"CUDA_VISIBLE_DEVICES": ""})
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "no CUDA device visible" in out.stdout
+    out = _gpu_check(
+        "--stage", "correctness", *device, "--json", json_path, env={"CUDA_VISIBLE_DEVICES": ""}
+    )
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert out.stderr.strip().splitlines() == [out.stderr.strip()]  # one line
+    assert out.stderr.startswith("error: no CUDA device") and "--device cpu" in out.stderr
     doc = json.loads(json_path.read_text())
-    assert doc["ok"] is True and doc["header"]["device"] is None
-    names = ["e2e", "ddp", "restart", "throughput", "cell_gears", "projection"]
-    assert [c["name"] for c in doc["checks"]] == names
-    assert all(c["status"] == "skip" and "no CUDA" in c["reason"] for c in doc["checks"])
+    assert doc["ok"] is False and doc["exit_status"] == 2
+    assert doc["failed"][0].startswith("cuda: no CUDA device")
+    assert [c["name"] for c in doc["checks"]] == ["train", "ddp", "restart", "no_sync"]
+    assert all(c["status"] == "fail" and "not run" in c["reason"] for c in doc["checks"])
+
+
+def test_gpu_check_kills_a_check_past_its_limit_with_its_children(tmp_path):
+    """A check over its limit (here waiting on a child whose own child runs in a session of its
+    own, as torchrun's workers) fails with the reason, every process it started is killed, and
+    the next check still runs and reports."""
+    json_path = tmp_path / "gpu.json"
+    out = _gpu_check(
+        "--stage", "correctness", "--device", "cpu", "--only", "no_sync,ddp", "--timeout", "8",
+        "--json", json_path, "--work", tmp_path / "work",
+        env={"GEARS_GPU_CHECK_FAULT": "no_sync:hang,ddp:raise"}, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    doc = json.loads(json_path.read_text())
+    no_sync, ddp = doc["checks"]
+    assert no_sync["status"] == "fail" and "timed out after" in no_sync["reason"]
+    assert "(its limit); 2 processes killed" in no_sync["reason"], no_sync["reason"]
+    assert no_sync["limit_s"] == 8 and no_sync["seconds"] < 30
+    assert ddp["status"] == "fail" and "injected failure" in ddp["reason"]
+    assert doc["ok"] is False and doc["exit_status"] == 1 and len(doc["failed"]) == 2
+    assert not _alive(_tagged(doc["run"]["run_id"]))
+
+
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM"])
+def test_a_killed_harness_leaves_no_child_behind(tmp_path, sig):
+    """SIGTERM: the harness kills its children, says so in the JSON and exits 143. SIGKILL (no
+    handler runs): its watchdog sees the harness's pipe close and kills them."""
+    json_path = tmp_path / "gpu.json"
+    harness = subprocess.Popen(
+        [sys.executable, str(GPU_CHECK), "--stage", "correctness", "--device", "cpu"]
+        + ["--only", "no_sync", "--json", str(json_path), "--work", str(tmp_path / "work")],
+        env={**os.environ, "PYTHONPATH": "", "GEARS_GPU_CHECK_FAULT": "no_sync:hang"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        run_id = _wait_for(
+            lambda: json_path.is_file() and json.loads(json_path.read_text())["run"]["run_id"],
+            60,
+            "the harness to start",
+        )
+        # The hanging child and its grandchild (in a session of its own).
+        _wait_for(lambda: len(_alive(_tagged(run_id))) >= 2, 60, "the check's two processes")
+        harness.send_signal(getattr(signal, sig))
+        output, _ = harness.communicate(timeout=60)
+    finally:
+        harness.kill()
+    if sig == "SIGTERM":
+        assert harness.returncode == 143, output[-3000:]
+        assert not _alive(_tagged(run_id))  # gone before the harness exits
+        doc = json.loads(json_path.read_text())
+        assert doc["ok"] is False and doc["exit_status"] == 143
+        assert "stopped by SIGTERM" in doc["checks"][0]["reason"]
+    _wait_for(lambda: not _alive(_tagged(run_id)), 15, "every child to be killed")
+    watchdog = f"--watchdog {run_id}"
+    _wait_for(
+        lambda: not [
+            p for p in Path("/proc").glob("[0-9]*/cmdline")
+            if watchdog in p.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        ],
+        15,
+        "the watchdog to exit",
+    )  # fmt: skip
+
+
+def test_host_sync_watch_names_each_kind_of_sync(monkeypatch):
+    """gpu_check's watch (the stand-in's device tensors standing in for CUDA ones): every op
+    that makes the host wait for a device tensor is listed with its line, nothing else is."""
+    import torch
+    from gpu_check import watch_host_syncs
+
+    from gears.device import STANDIN_ENV, to_device
+
+    monkeypatch.setenv(STANDIN_ENV, "1")
+    x = to_device(torch.tensor([3.0, -1.0, 2.0, 0.0]), "cpu")
+    r = to_device(torch.tensor([1, 2, 0, 1]), "cpu")
+    host = torch.tensor([1.0, -2.0])
+    with watch_host_syncs() as found:
+        x[x > 0]  # noqa: B018
+        x.nonzero()
+        torch.unique(x)
+        x.repeat_interleave(r)
+        x.masked_select(x > 1)
+        x[x < 0] = 0.0
+        x.repeat_interleave(r, output_size=4)  # size given: no wait
+        torch.where(x > 0, x, 0.0).sum()
+        host[host > 0]  # noqa: B018  (a host tensor: no device to wait for)
+    kinds = [line.split(" at ")[0] for line in found]
+    assert kinds == [
+        "index with a boolean mask",
+        "nonzero",
+        "_unique2",
+        "repeat_interleave without output_size",
+        "masked_select",
+        "index_put_ with a boolean mask",
+    ], found
+    assert all("test_benchmarks.py:" in line for line in found)
 
 
 @pytest.mark.slow
-def test_gpu_check_on_cpu_trains_end_to_end_and_records_a_raising_check(tmp_path):
-    """The harness on the CPU: train_single.py, its outputs, the CPU seeds' spread and
-    predict.py pass; a check that raises is a "fail" line with the reason, not a traceback."""
+def test_gpu_check_correctness_on_cpu_trains_and_reports_each_check(tmp_path):
+    """The correctness stage's CPU twin: train_single.py in fp32 and bf16 under the device
+    stand-in beside CPU seeds (outputs, spread, no_change) and predict.py pass; the host-sync
+    watch passes; a check that raises is a "fail" with its reason; exit status 1."""
     json_path = tmp_path / "gpu.json"
     out = _gpu_check(
-        "--device", "cpu", "--quick", "--only", "e2e,ddp", "--precisions", "fp32",
-        "--json", json_path, "--work", tmp_path / "work",
-        env={"GEARS_GPU_CHECK_FAULT": "ddp:raise", "OMP_NUM_THREADS": "1"},
+        "--stage", "correctness", "--device", "cpu", "--quick", "--only", "train,ddp,no_sync",
+        "--json", json_path, "--work", tmp_path / "work", "--stage-limit", "900",
+        env={"GEARS_GPU_CHECK_FAULT": "ddp:raise"}, timeout=900,
     )  # fmt: skip
-    assert out.returncode == 1, out.stderr[-3000:]  # a check failed
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
     doc = json.loads(json_path.read_text())
-    assert doc["header"]["device"] == "cpu" and doc["ok"] is False
-    e2e, ddp = doc["checks"]
-    assert (e2e["name"], ddp["name"]) == ("e2e", "ddp")
-    assert e2e["status"] == "pass", e2e["reason"]
-    assert e2e["configs"]["fp32"]["status"] == "pass"
-    assert e2e["predict"]["status"] == "pass", e2e["predict"]["reason"]
-    assert "fp16 needs CUDA" in e2e["configs"]["fp16"]["reason"]
-    assert "TF32" in e2e["configs"]["fp32+tf32"]["reason"]
-    lo, hi = e2e["interval"]["mse_de"]
-    assert lo <= e2e["configs"]["fp32"]["metrics"]["mse_de"] <= hi
+    assert doc["header"]["device"] == "cpu" and doc["stage"] == "correctness"
+    assert doc["ok"] is False and doc["exit_status"] == 1
+    train, ddp, no_sync = doc["checks"]
+    assert (train["name"], ddp["name"], no_sync["name"]) == ("train", "ddp", "no_sync")
+    for check in doc["checks"]:
+        assert {"status", "reason", "seconds", "budget_s", "limit_s"} <= set(check)
+        assert check["limit_s"] <= 240
+    assert train["status"] == "pass", train["reason"]
+    configs = train["configs"]
+    assert configs["fp32"]["status"] == "pass" and configs["bf16"]["status"] == "pass"
+    assert "fp16 needs CUDA" in configs["fp16"]["reason"]
+    assert (
+        "TF32" in configs["fp32+tf32"]["reason"] and "inductor" in configs["bf16+compile"]["reason"]
+    )
+    for label in ("fp32", "bf16"):
+        row = configs[label]
+        lo, hi = train["interval"]["mse_de"]
+        assert lo <= row["metrics"]["mse_de"] <= hi and row["skipped_steps"] == 0
+        for metric, beat in train["cpu_beats_no_change"].items():
+            if beat:  # where every CPU seed beats no_change, so does the device run
+                lower = metric.startswith("mse")
+                better = row["metrics"][metric] < row["no_change"][metric]
+                assert better == lower, (label, metric)
+    assert train["predict"]["status"] == "pass", train["predict"]["reason"]
     assert ddp["status"] == "fail" and "injected failure" in ddp["reason"]
+    assert no_sync["status"] == "pass", no_sync["reason"]
+    layouts = {lay for row in no_sync["rows"] for lay in row["layouts"]}
+    assert {"equal counts", "per-cell rows", "weighted rows"} <= layouts
+    assert doc["failed"] == [f"ddp: {ddp['reason']}"]
     table = out.stdout[out.stdout.index("check ") :]
-    assert re.search(r"e2e\s+pass\s+\d+\s+\S", table) and re.search(r"ddp\s+fail", table)
+    assert re.search(r"train\s+pass\s+\d+\s+150", table) and re.search(r"ddp\s+fail", table)
 
 
-def test_gpu_check_time_limit_kills_the_check_and_leaves_a_failing_json(tmp_path):
-    """A check past its limit (here one waiting on a child that never ends) is stopped, its
-    child killed, and the JSON says "fail" with the reason; the other checks still report."""
-    json_path = tmp_path / "gpu.json"
+@pytest.mark.slow
+def test_gpu_check_speed_on_cpu_measures_norman_mix_against_the_targets(tmp_path):
+    """The speed stage's CPU twin: a screen with Norman's mix of conditions, cells/s of the
+    engine beside the bare bound at batch 32, each row against the targets (reported, not
+    judged, on the CPU); --out writes the JSON and the logs."""
+    out_dir = tmp_path / "out"
     out = _gpu_check(
-        "--device", "cpu", "--only", "restart,projection", "--timeout", "3", "--json", json_path,
-        "--work", tmp_path / "work", env={"GEARS_GPU_CHECK_FAULT": "restart:hang"}, timeout=120,
+        "--stage", "speed", "--device", "cpu", "--quick", "--only", "screen,speed_b32",
+        "--out", out_dir, "--work", tmp_path / "work", "--stage-limit", "900", timeout=900,
     )  # fmt: skip
-    assert out.returncode == 1, out.stderr[-3000:]
-    restart, projection = json.loads(json_path.read_text())["checks"]
-    assert restart["status"] == "fail" and "timed out after 3s" in restart["reason"]
-    assert projection["status"] == "skip" and "throughput" in projection["reason"]
-    hang_log = str(tmp_path / "work" / "logs" / "restart_hang.log")
-    alive = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            if hang_log in cmdline.read_bytes().decode(errors="replace"):
-                alive.append(cmdline.parent.name)
-        except OSError:
-            continue
-    assert not alive, f"the timed-out check's child is still running: {alive}"
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    doc = json.loads((out_dir / "gpu_check_speed.json").read_text())
+    with tarfile.open(out_dir / "gpu_check_speed_logs.tar.gz") as tar:
+        assert {"logs/screen.log", "logs/speed_b32.log"} <= set(tar.getnames())
+    assert doc["ok"] is True and doc["exit_status"] == 0 and doc["failed"] == []
+    screen, speed = doc["checks"]
+    assert screen["status"] == "pass" and speed["status"] == "pass", doc["checks"]
+    assert (screen["singles"], screen["doubles"]) == (105, 131)
+    assert 10 <= screen["cells_per_condition"]["min"] <= screen["cells_per_condition"]["max"] <= 30
+    assert screen["control_cells"] == 500
+    rows = {r["config"]: r for r in speed["rows"]}
+    assert set(rows) == {"bound fp32", "bound bf16", "eager fp32", "eager bf16"}
+    assert all(r["cells_per_s"] > 0 and r["warmup_s"] > 0 for r in rows.values())
+    targets = {t["config"]: t for t in doc["targets"]}
+    assert set(targets) == {"eager fp32", "eager bf16"}
+    for config, t in targets.items():
+        bound = rows[f"bound {rows[config]['precision']}"]["cells_per_s"]
+        assert t["batch"] == 32 and t["target"] == 10_000 and t["min_x_bound"] == 0.8
+        assert t["x_bound"] == pytest.approx(rows[config]["cells_per_s"] / bound, abs=1e-3)
+        assert t["status"] == "n/a"
+    assert "compiled bf16 skipped" in speed["reason"]

@@ -590,3 +590,39 @@ def test_batch_norm_over_selected_rows_equals_batch_norm_of_those_rows(selected,
                 getattr(ours, name), getattr(plain, name), rtol=1e-12, atol=0
             )
     assert int(ours.num_batches_tracked) == (2 if selected != "none" else 0)
+
+
+def test_reference_forward_and_backward_wait_for_nothing_on_the_device(monkeypatch):
+    """GEARSReference on device tensors (the stand-in), as the engine calls it (one row per
+    cell: counts 1.0; evaluation: none), with control cells and a lone perturbed cell: no op
+    of its forward or backward makes the host wait for the device (benchmarks/gpu_check.py's
+    watch: int(), boolean masks, nonzero, repeat_interleave without a size, ...)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu_check import watch_host_syncs
+    from test_reference_oracle import _graph
+
+    from gears.config import ModelConfig
+    from gears.device import STANDIN_ENV, module_to_device, to_device
+    from gears.model.reference import GEARSReference
+
+    monkeypatch.setenv(STANDIN_ENV, "1")
+    torch.manual_seed(0)
+    graphs = (*_graph(20, 4, 1), *_graph(100, 8, 2))  # GO over 20 perturbable genes, 100 genes
+    net = module_to_device(GEARSReference(ModelConfig(hidden_size=16), 100, 20, *graphs), "cpu")
+    batches = {
+        "mixed": [[3, -1], [5, 7], [-1, -1], [3, -1], [-1, -1], [11, 2]],
+        "lone perturbed cell": [[-1, -1], [4, -1], [-1, -1]],
+        "controls only": [[-1, -1], [-1, -1]],
+    }
+    for name, rows in batches.items():
+        pert_index = to_device(torch.tensor(rows), "cpu")
+        for counts in (1.0, None):
+            net.train()
+            with watch_host_syncs() as found:
+                delta = net(pert_index, counts)
+                delta.pow(2).mean().backward()
+            assert found == [], (name, counts, found)
+        net.eval()
+        with watch_host_syncs() as found, torch.no_grad():
+            net(pert_index)
+        assert found == [], (name, "eval", found)
