@@ -1,10 +1,10 @@
 """The private torch APIs the project calls, each behind one function with a test
 (tests/test_torch_compat.py) that fails when a torch release changes it, instead of a user's run.
 
-Every torch API the code calls exists in torch 2.11 (the oldest torch it runs on, the GPU
-image's) and 2.13 (requirements.txt's pin); docs/gpus_and_clusters.md lists those newer than
-2.3 with their first release. None needs a version guard today; the private ones below may
-change in any release, so each says what it does when its API is gone.
+Every torch API the code calls exists in torch 2.11 (the GPU image's; checked against its
+sources) and 2.13 (requirements.txt's pin); docs/gpus_and_clusters.md lists them with their first
+release. None needs a version guard today; the private ones below may change in any release, so
+each says what it does when its API is gone.
 """
 
 from __future__ import annotations
