@@ -1,7 +1,7 @@
-"""GPU check: what only a CUDA machine can verify, in two stages of at most 5 minutes each.
+"""GPU check: what only a CUDA machine can verify, in two stages that stop at 5 minutes each.
 
-    python benchmarks/gpu_check.py --stage correctness --out DIR    # on one H100: <= 5 min
-    python benchmarks/gpu_check.py --stage speed --out DIR          # on one H100: <= 5 min
+    python benchmarks/gpu_check.py --stage correctness --out DIR    # budget: 5 min on one H100
+    python benchmarks/gpu_check.py --stage speed --out DIR          # budget: 4 min on one H100
     python benchmarks/gpu_check.py --stage correctness --device cpu --quick   # the CPU twin
     python benchmarks/gpu_check.py --stage speed --device cpu --quick --only screen,speed_b32
 
@@ -32,7 +32,7 @@ a check is expected to take on one H100 (16 cores); limit: when it is killed.
            epoch 2 (GEARS_FAULT_KILL): the log says "resumed from" the epoch-1 checkpoint and
            the final weights equal an uninterrupted run's bit for bit (GEARS_DETERMINISTIC=1).
   no_sync  budget 45 s, limit 120 s. Steady-state training steps (Trainer.train_step) in every
-           precision and every row layout (equal counts, per-cell rows, weighted rows) under a
+           precision and every row layout (equal counts, repeated, per-cell, weighted) under a
            watch that lists every op on a device tensor that makes the host wait for the device
            (_local_scalar_dense, nonzero, masked_select, unique, boolean-mask indexing,
            repeat_interleave without output_size, ...), and on CUDA
@@ -40,8 +40,9 @@ a check is expected to take on one H100 (16 cores); limit: when it is killed.
 Stage speed: one check at a time (they time the GPU).
   screen      budget 75 s, limit 150 s. A Norman-size screen with Norman's mix of conditions
               (5,000 genes, 105 single and 131 double perturbations, 100-300 cells each, 5,000
-              control cells; gears/data/synthetic.py's simulator), split, graphs, saved for the
-              next checks; its composition and the distinct perturbations per batch.
+              control cells; gears/data/synthetic.py's simulator, norman_mix_h5ad), split and
+              graphs in the memory-mapped store the next checks open; its composition and the
+              distinct perturbations per batch.
   speed_b32   budget 75 s, limit 150 s. Training cells/s at batch 32: the engine eager in fp32
               and bf16 and compiled (train.compile) in bf16, beside bench_train's bare per-cell
               layers bound in fp32 and bf16, timed alike on the same device: one warm-up call
