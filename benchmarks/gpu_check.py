@@ -387,11 +387,13 @@ def sync_reason(func, args: tuple, kwargs: dict) -> str | None:
 
 
 def _project_call_site() -> str:
-    """The innermost line of the project's code (not this file's, not the stand-in's)."""
+    """The innermost line of the project's code (not this file's, not the stand-in's, and not
+    an installed package's: a virtual environment may live inside the clone, as .ci/run's does)."""
     skip = {Path(__file__).resolve(), ROOT / "gears" / "device.py"}
     for frame in reversed(traceback.extract_stack()[:-3]):
         path = Path(frame.filename).resolve()
-        if ROOT in path.parents and path not in skip:
+        installed = "site-packages" in path.parts or "dist-packages" in path.parts
+        if ROOT in path.parents and path not in skip and not installed:
             return f"{path.relative_to(ROOT)}:{frame.lineno} ({frame.name}: {frame.line})"
     return "outside the project"
 
