@@ -30,6 +30,7 @@ from gears import checkpoint as ckpt
 from gears.api import GEARS
 from gears.data.conditions import CTRL, canonical_condition, condition_genes
 from gears.errors import GearsInputError
+from gears.model.batch import declared_covariates, reads_x
 from gears.model_folder import (
     CONFIG_FILE,
     CONTROL_CELLS_FILE,
@@ -450,7 +451,17 @@ def predict_cells(
     the file's AnnData without X and layers (obs, var, uns): the expression stays on disk.
 
     One network forward per chunk of perturbations (GEARS.predict_changes), never one per cell.
+    A network that reads the control cell x or covariates is refused: its cells need per-cell
+    forwards or each cell's covariate values, which the saved control cells do not carry.
     """
+    net = model.prediction_net()
+    if reads_x(net) or declared_covariates(net):
+        raise GearsInputError(
+            f"predict.py writes cells for networks that read neither the control cell nor "
+            f"covariates; {type(net).__name__} reads "
+            f"{'x' if reads_x(net) else list(declared_covariates(net))}: use "
+            "GEARS.predict(..., covariates=...) for its predicted means"
+        )
     control_names = [info.get("control_label", CTRL)]
     conditions = resolve_perturbations(labels, model.pert_data.node_map_pert, control_names)
     labels = data_spelling(conditions, labels, info.get("condition_spelling", {}))
