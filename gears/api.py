@@ -358,6 +358,8 @@ class GEARS:
 
     def _covariate_codes(self, names, values: dict[str, str] | None, n: int) -> dict:
         """Codes [n] of the given covariate values (each the same for every row)."""
+        if not names:
+            return {}
         values = values or {}
         missing = [name for name in names if name not in values]
         if missing:
