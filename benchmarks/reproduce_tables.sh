@@ -19,6 +19,8 @@
 #   reference_cost               docs/changing_the_model.md: fast vs reference, epoch time and
 #                                validation metrics (train_single.py, two runs each)
 #   check_model                  docs/changing_the_model.md: python -m gears.check_model's time
+#   compare_contexts             docs/changing_the_model.md: the context fork against one model
+#                                per line, mcfaline23, 3 split seeds  ~30 min idle
 #   default_run                  docs/model_selection.md, README.md: the main job's wall time and
 #                                peak memory at 1 thread
 #   vcc_example                  docs/predictions.md: the synthetic VCC example's cell-eval table
@@ -31,8 +33,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 WORK=${WORK:-/tmp/gears_tables}
 RESULTS_TABLES="seeds_default seeds_norman seeds_gears_paper control_mean vs_cell_gears"
-ALL_TABLES="$RESULTS_TABLES vs_cell_gears_large reference_cost check_model default_run \
-vcc_example bench_predict bench_train bench_distributed bench_scale suite"
+ALL_TABLES="$RESULTS_TABLES vs_cell_gears_large reference_cost check_model compare_contexts \
+default_run vcc_example bench_predict bench_train bench_distributed bench_scale suite"
 TABLES=${TABLES:-$RESULTS_TABLES}
 [ "$TABLES" = all ] && TABLES=$ALL_TABLES
 RESULTS=benchmarks/results
@@ -129,6 +131,10 @@ for table in $TABLES; do
             rm -f "$log"
             timed "$log" python -m gears.check_model | tee -a "$RESULTS/check_model.md"
             cat "$log" >> "$RESULTS/check_model.md" ;;
+        compare_contexts)
+            # compare_contexts.py names its commit and command in its .json.
+            python examples/compare_contexts.py --seeds 1,2,3 --out "$WORK/compare_contexts" \
+                --json "$RESULTS/compare_contexts.json" ;;
         default_run)
             header default_run "python train_single.py train.threads=1 wandb.mode=disabled"
             log="$WORK/default_run.time"

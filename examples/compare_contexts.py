@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -65,6 +68,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", default="1,2,3")
     parser.add_argument("--out", default="runs/compare_contexts")
+    parser.add_argument("--json", default=None, help="also write the table's figures here")
     args = parser.parse_args(argv)
     out = Path(args.out).resolve()
     scores: dict = {m: {line: [] for line in LINES} for m in MODELS}
@@ -89,9 +93,32 @@ def main(argv=None) -> int:
             if len(tested) != 1:  # every model held out the perturbations it is scored on
                 raise SystemExit(f"seed {seed}, {line}: the test sets differ: {tested}")
     (out / "scores.json").write_text(json.dumps(scores, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(provenance(scores, argv), indent=1) + "\n")
     print(table(scores))
     print(f"\n{time.perf_counter() - t0:.0f} s; figures in {out / 'scores.json'}")
     return 0
+
+
+def provenance(scores: dict, argv) -> dict:
+    """The figures with the commit and command that made them."""
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    keep = ("seed", "conditions", "n_conditions", "mse", *METRICS)
+    keep += ("frac_correct_direction_top20_non_dropout",)
+    return {
+        "commit": commit or "unknown",
+        "command": " ".join(["python examples/compare_contexts.py", *(argv or sys.argv[1:])]),
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+        "scores": {
+            model: {
+                line: [{k: r[k] for k in keep if k in r} for r in runs] for line, runs in by.items()
+            }
+            for model, by in scores.items()
+        },
+    }
 
 
 def table(scores: dict) -> str:
