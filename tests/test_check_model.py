@@ -60,7 +60,7 @@ def test_plain_batchnorm_in_both_mlps_is_named(screen, monkeypatch):
         network.MLP, "forward", lambda s, x, w=None, b=None: s.extra(fast_forward(s, x, w, b))
     )
     monkeypatch.setattr(
-        reference.MLP, "forward", lambda s, x, rows=None: s.extra(ref_forward(s, x, rows))
+        reference.MLP, "forward", lambda s, x, rows=None: s.extra(ref_forward(s, x, rows=rows))
     )
     report = cm.check_model(*screen)
     assert not report.ok and report.first_departing().endswith(".extra"), report.table()
