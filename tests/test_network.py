@@ -268,9 +268,10 @@ def test_block_weighted_bn_equals_batchnorm_on_repeated_blocks(block_weights):
     _assert_matches_batchnorm(wbn, ref, yw[cells], yr, xw, xr)
 
 
+@pytest.mark.parametrize("per_block", [None, False])  # CPU's default (per block), a GPU's
 @pytest.mark.parametrize("even", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_block_weighted_bn_half_precision_statistics_and_gradient(dtype, even):
+def test_block_weighted_bn_half_precision_statistics_and_gradient(dtype, even, per_block):
     """_BlockWeightedBatchNormFn on a half-precision input (never copied to fp32; the module
     routes half precision to the fp32-copy path for now): statistics are the float64 ones of
     the rounded input within fp32 rounding, and the input gradient is the
@@ -291,7 +292,7 @@ def test_block_weighted_bn_half_precision_statistics_and_gradient(dtype, even):
     xh = x.clone().requires_grad_()
     f = w_block / w_block.sum()
     y, batch_mean, batch_var = _BlockWeightedBatchNormFn.apply(
-        xh, f, bn.weight, bn.bias, bn.eps, blocks
+        xh, f, bn.weight, bn.bias, bn.eps, blocks, per_block
     )
     assert y.dtype == dtype
     y.backward(dy)

@@ -68,22 +68,33 @@ class _WeightedBatchNormFn(torch.autograd.Function):
 class _BlockWeightedBatchNormFn(torch.autograd.Function):
     """Weighted batch-norm of x [U * k, C] whose rows form U consecutive blocks of k rows, every
     row of block u weighing f_u / k (f [U] sums to 1): GEARSNet's [U*G, H] cell-gene rows,
-    where a perturbation's G rows all stand for its cells. Every pass is a native batch-norm
-    kernel, which reads x in its own dtype and computes in fp32 (float64 for float64 x), so a
-    half-precision x is never copied to fp32:
+    where a perturbation's G rows all stand for its cells. A fixed number of kernels whatever
+    U (on a GPU each op is a launch: a loop over the blocks made the step's op count grow with
+    the distinct perturbations of the batch). Statistics accumulate in fp32 (float64 for
+    float64 x) whatever x's dtype:
 
-    forward: per-block mean and variance (U native training-mode calls on the contiguous
-    blocks), combined exactly (Chan et al.): mean = sum f_u m_u, var = sum f_u (v_u +
-    (m_u - mean)^2); then one eval-mode native pass normalises with them.
+    forward: the block sums S_u = sum_i x[u, i] (one reduction over the [U, k, C] view), the
+    mean = sum_u (f_u / k) S_u, the centred block sums Q_u = sum_i (x[u, i] - mean)^2 and
+    var = sum_u (f_u / k) Q_u; then one eval-mode native pass normalises with them.
     backward: the native training-mode backward with these statistics gives the unweighted
     dx_n = r gamma (dy - (sum(dy) + xhat sum(dy xhat)) / N), dgamma and dbeta; the weighted
-    gradient adds, per block, r gamma (1/N - f_u/k) (sum(dy) + xhat sum(dy xhat)): an affine
-    function of x, one eval-mode native pass per block. Equal weights make it exactly zero.
+    gradient adds, per block, s_u r gamma (dbeta + xhat dgamma) with s_u = 1/N - f_u/k and
+    xhat = (x - mean) r: x A_u + B_u with A_u = s_u r^2 gamma dgamma and
+    B_u = s_u r gamma (dbeta - mean r dgamma), one pass over the [U, k, C] view for every
+    block. Equal weights make it exactly zero.
+
+    per_block (default: half-precision x on CPU) computes the same with one native kernel per
+    block instead (forward: training-mode statistics of each block combined exactly, Chan et
+    al.: mean = sum f_u m_u, var = sum f_u (v_u + (m_u - mean)^2); backward: one eval-mode
+    pass per block): on CPU the native kernels read bf16 / fp16 blocks directly, where the
+    batched passes above make fp32 [U * k, C] temporaries (~10x slower on an AVX2 CPU).
     """
 
     @staticmethod
-    def forward(ctx, x, f, gamma, beta, eps, blocks):
+    def forward(ctx, x, f, gamma, beta, eps, blocks, per_block=None):
         k = x.shape[0] // blocks
+        if per_block is None:
+            per_block = _per_row(x, statistics_dtype(x))
         if torch.compiler.is_compiling():
             # The compiler's native_batch_norm (its decomposition, and the fake kernel traced
             # from it) returns a half-precision CPU input's statistics in that dtype, where the
@@ -93,7 +104,10 @@ class _BlockWeightedBatchNormFn(torch.autograd.Function):
             block_var, block_mean = torch.var_mean(
                 x.reshape(blocks, k, -1).to(statistics_dtype(x)), dim=1, correction=0
             )
-        else:
+            f = f.to(block_mean.dtype)
+            mean = f @ block_mean
+            var = f @ (block_var + (block_mean - mean).square())
+        elif per_block:
             parts = [
                 torch.native_batch_norm(
                     x[u * k : (u + 1) * k], gamma, beta, None, None, True, 0.0, eps
@@ -102,33 +116,47 @@ class _BlockWeightedBatchNormFn(torch.autograd.Function):
             ]
             block_mean = torch.stack([p[1] for p in parts])  # [U, C], fp32 (float64 for x64)
             block_var = torch.stack([p[2] for p in parts]).pow(-2).sub_(eps).clamp_(min=0)
-        f = f.to(block_mean.dtype)
-        mean = f @ block_mean
-        var = f @ (block_var + (block_mean - mean).square())
-        r = torch.rsqrt(var + eps)
+            f = f.to(block_mean.dtype)
+            mean = f @ block_mean
+            var = f @ (block_var + (block_mean - mean).square())
+        else:
+            stat_dtype = statistics_dtype(x)
+            xs = x.view(blocks, k, -1)
+            f_row = f.to(stat_dtype) / k  # [U], each row's fraction of the cells
+            mean = f_row @ xs.sum(1, dtype=stat_dtype)
+            var = f_row @ (xs - mean).square_().sum(1)  # (x - mean: in stat_dtype)
         y = torch.native_batch_norm(x, gamma, beta, mean, var, False, 0.0, eps)[0]
-        ctx.save_for_backward(x, f, gamma, mean, var, r)
-        ctx.eps, ctx.blocks = eps, blocks
+        ctx.save_for_backward(x, f, gamma, mean, var)
+        ctx.eps, ctx.blocks, ctx.per_block = eps, blocks, per_block
         ctx.mark_non_differentiable(mean, var)  # running statistics only
         return y, mean, var
 
     @staticmethod
     def backward(ctx, dy, _dmean, _dvar):
-        x, f, gamma, mean, var, r = ctx.saved_tensors
+        x, f, gamma, mean, var = ctx.saved_tensors
         eps, blocks = ctx.eps, ctx.blocks
         k = x.shape[0] // blocks
+        r = torch.rsqrt(var + eps)
         dx, dgamma, dbeta = torch.ops.aten.native_batch_norm_backward(
             dy.contiguous(), x, gamma, None, None, mean, r, True, eps, [True, True, True]
         )
         # Correction to the per-block weights, an affine function of xhat = (x - mean) r.
-        scale = (1.0 / x.shape[0] - f / k).unsqueeze(1) * (r * gamma)  # [U, C]
-        slope, offset = scale * dgamma, scale * dbeta
-        for u in range(blocks):
-            rows = slice(u * k, (u + 1) * k)
-            dx[rows] += torch.native_batch_norm(
-                x[rows], slope[u], offset[u], mean, var, False, 0.0, eps
-            )[0]
-        return dx, None, dgamma, dbeta, None, None
+        s = torch.rsub(f.to(r.dtype), 1.0 / x.shape[0], alpha=1.0 / k).unsqueeze(1)  # [U, 1]
+        r_gamma = r * gamma
+        if ctx.per_block:
+            slope, offset = s * (r_gamma * dgamma), s * (r_gamma * dbeta)  # [U, C]
+            for u in range(blocks):
+                rows = slice(u * k, (u + 1) * k)
+                dx[rows] += torch.native_batch_norm(
+                    x[rows], slope[u], offset[u], mean, var, False, 0.0, eps
+                )[0]
+        else:
+            r_dgamma = r * dgamma
+            a = r_gamma * r_dgamma  # [C]
+            b = torch.addcmul(dbeta, mean, r_dgamma, value=-1).mul_(r_gamma)  # [C]
+            dxs = dx.view(blocks, k, -1)
+            dxs.addcmul_(x.view(blocks, k, -1), (s * a).unsqueeze(1)).add_((s * b).unsqueeze(1))
+        return dx, None, dgamma, dbeta, None, None, None
 
 
 def _per_row(x: torch.Tensor, other: torch.dtype) -> bool:
