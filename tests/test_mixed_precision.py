@@ -86,8 +86,10 @@ def test_fp16_autocast_at_5000_genes_is_finite_and_matches_fp32():
     # The old statistics, by hand: that batch-norm's input [25 * G, 2H] in fp16 with its row
     # weights, summed unnormalised in an fp16 matmul (what autocast did to `w @ x`): the sums
     # reach ~32 * G * mean(x^2) > 65,504 and overflow; the normalised fp32 sum stays finite.
-    x, w = seen["x"], seen["w"]
+    x, weights = seen["x"], seen["w"]
     assert x.dtype == torch.float16 and x.shape == (25 * G, 2 * H)
+    # (the norm gets each row's share of the cells once, [25], and the cell count)
+    w = (weights.fractions * weights.cells).repeat_interleave(G)  # cells per row, [25 * G]
     with torch.autocast("cpu", dtype=torch.float16):
         old_second_moment = w @ (x.float() * x.float())
     assert not torch.isfinite(old_second_moment).all()

@@ -1,14 +1,132 @@
-"""Tests for gears/opcount.py and what it guards: the weighted batch-norm's ops do not grow with
-the distinct perturbations of a batch (each op is a kernel launch on a GPU); SyncGuard refuses
-the ops that make the host wait for the device, and lets fixed-shape ops run."""
+"""Tests for gears/opcount.py and what it guards: the ops of a training step stay flat in the
+distinct perturbations of a batch (each op is a kernel launch on a GPU); SyncGuard refuses the
+ops that make the host wait for the device, and lets fixed-shape ops run."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from helpers import tiny_split
 
+import gears.model.kernels as kernels
+from gears.api import GEARS
+from gears.config import TrainConfig
+from gears.data.loaders import Batch
+from gears.data.pertdata import PertData
+from gears.distributed import DistEnv
+from gears.engine import CELL_ROWS, RepeatRows, Trainer, seed_everything
+from gears.model.batch import ModelBatch
 from gears.model.kernels import WeightedBatchNorm1d, _BlockWeightedBatchNormFn
-from gears.opcount import HostSyncError, OpCounter, SyncGuard
+from gears.opcount import HostSyncError, OpCounter, StepLoader, SyncGuard, count_epoch
+
+# The step's bounds (benchmarks/bench_ops.py prints the same counts on a 1,000-gene screen):
+# batch 256 within 1.3x of batch 32's ops and under 700; batch 32 under 450.
+GROWTH, MOST, MOST_AT_32 = 1.3, 700, 450
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> PertData:
+    return tiny_split(tmp_path_factory.mktemp("data"))
+
+
+def _trainer(pd_: PertData, precision: str = "fp32") -> Trainer:
+    seed_everything(0)
+    model = GEARS(pd_, device="cpu").model_initialize(hidden_size=16)
+    trainer = Trainer(model.model, pd_, TrainConfig(), model.model_config(), DistEnv())
+    trainer.check_every = trainer.cfg.log_every  # as on a GPU: the interval check stays out
+    if precision == "bf16":
+        trainer.amp_dtype = torch.bfloat16
+    elif precision == "fp16":
+        # fp16 is CUDA-only in the config; its CPU twin: fp16 autocast and a CPU GradScaler.
+        trainer.amp_dtype = torch.float16
+        trainer.scaler = torch.amp.GradScaler("cpu")
+    return trainer
+
+
+def _batch(pd_: PertData, counts: list[int], seed: int = 0) -> Batch:
+    """A training batch of sum(counts) cells over len(counts) distinct perturbations (singles
+    and doubles drawn from the vocabulary, so that there can be hundreds), cells in random
+    order, random expression."""
+    rng = np.random.default_rng(seed)
+    n_perts, G, U = len(pd_.pert_names), pd_.n_genes, len(counts)
+    pairs = {(int(rng.integers(n_perts)), -1) for _ in range(4 * U)}
+    pairs |= {tuple(int(p) for p in rng.choice(n_perts, 2, replace=False)) for _ in range(8 * U)}
+    uniq_pert_index = torch.tensor(sorted(pairs)[:U]).reshape(U, 2)
+    assert len(uniq_pert_index) == U
+    inverse = torch.from_numpy(rng.permutation(np.repeat(np.arange(U), counts)))
+    uniq_cond = torch.from_numpy(rng.integers(0, len(pd_.conditions), U))
+    B = int(sum(counts))
+    gen = torch.Generator().manual_seed(seed)
+    return Batch(
+        x=torch.rand(B, G, generator=gen) * 3,
+        y=torch.rand(B, G, generator=gen) * 3,
+        pert_index=uniq_pert_index[inverse],
+        cond=uniq_cond[inverse],
+        de_idx=torch.full((B, 20), -1),
+        uniq_cond=uniq_cond,
+        uniq_pert_index=uniq_pert_index,
+        inverse=inverse,
+        counts=torch.tensor(counts, dtype=torch.float32),
+        example=torch.arange(B),
+    )
+
+
+def _random_counts(batch: int, conditions: int, seed: int) -> list[int]:
+    """Cells per distinct perturbation of a random batch: `batch` cells drawn uniformly from
+    `conditions` perturbations (350: ~30 distinct among 32 cells, ~180 among 256)."""
+    draws = np.random.default_rng(seed).integers(0, conditions, batch)
+    return np.unique(draws, return_counts=True)[1].tolist()
+
+
+# Cells per distinct perturbation in each row layout that Trainer.row_layout picks, at batch 32
+# and 256 ("random": one row per cell at 32, weighted at 256, as on a 500-condition screen).
+LAYOUTS = {
+    "random": (lambda b, s: _random_counts(b, 350, s)),
+    "weighted": (lambda b, s: [3, 1, 2, 2] * (b // 8)),  # uneven: the weighted batch-norms
+    "repeat": (lambda b, s: [8] + [4] * (b // 4 - 2)),  # RepeatRows: uniform rows of 4
+    "grouped": (lambda b, s: [4] * (b // 4)),  # equal counts: the native kernels
+}
+
+
+def _epoch(trainer: Trainer, batches: list[Batch], epoch: int) -> None:
+    trainer.train_epoch(StepLoader(batches, lambda b: b, lambda i: None), epoch, progress=False)
+
+
+def _steady_ops(trainer: Trainer, batches: list[Batch]) -> list[int]:
+    """Ops of each step after the first (which creates the optimizer's state)."""
+    return [sum(step.values()) for step in count_epoch(trainer, batches, lambda b: b)[1:]]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_step_ops_do_not_grow_with_distinct_perturbations(tiny, layout):
+    """A whole training step (row layout, forward, loss, backward, clipping, Adam, the engine's
+    bookkeeping) at batch 256 dispatches at most 1.3x the ops of batch 32 and at most 700,
+    in every layout; a layout that both sizes share costs the same ops at both (420-424 a
+    weighted step). When the weighted batch-norm over the [U*G, H] cell-gene rows ran one
+    native kernel per distinct perturbation, forward and backward, a weighted step took 626
+    ops at batch 32 and 1,522 at 256, and random batches 347 and 1,906."""
+    trainer = _trainer(tiny)
+    ops, kinds = {}, {}
+    for size in (32, 256):
+        batches = [_batch(tiny, LAYOUTS[layout](size, seed), seed) for seed in range(3)]
+        kinds[size] = {_kind(trainer.row_layout(b.counts)) for b in batches}
+        ops[size] = _steady_ops(trainer, batches)
+    expected = {"random": ("cells", "weighted"), "weighted": ("weighted",) * 2}
+    expected.update(repeat=("repeat",) * 2, grouped=("uniform",) * 2)
+    assert (kinds[32], kinds[256]) == tuple({k} for k in expected[layout])
+    assert max(ops[32]) <= MOST_AT_32, ops
+    assert max(ops[256]) <= min(GROWTH * min(ops[32]), MOST), ops
+    if layout != "random":  # the same layout at both sizes: the same ops
+        assert set(ops[32]) == set(ops[256]), ops
+
+
+def _kind(layout) -> str:
+    if layout is None:
+        return "weighted"
+    if isinstance(layout, RepeatRows):
+        return "repeat"
+    return "cells" if layout == CELL_ROWS else "uniform"
 
 
 def _weighted_bn_ops(blocks: int, dtype: torch.dtype, per_block=None) -> int:
@@ -90,3 +208,22 @@ def test_sync_guard_lets_fixed_shape_ops_run():
         out = t.repeat_interleave(repeats, output_size=3) + t[torch.arange(3)]
         out = torch.where(out > 0, out, 0.0).index_select(0, torch.zeros(2, dtype=torch.long))
     assert out.tolist() == [2.0, 2.0]
+
+
+def test_network_ops_are_flat_in_rows_on_the_gpu_path(tiny, monkeypatch):
+    """GEARSNet's forward + backward in fp32, bf16 and fp16 with the GPU's kernel choices
+    (no per-row CPU loops for half precision): the same ops for 8 rows as for 96."""
+    monkeypatch.setattr(kernels, "_per_row", lambda x, other: False)
+    net = GEARS(tiny, device="cpu").model_initialize(hidden_size=16).model.train()
+    for dtype in (None, torch.bfloat16, torch.float16):
+        ops = []
+        for U in (8, 96):
+            rows = _batch(tiny, [2] * U).uniq_pert_index
+            counts = (torch.arange(U) % 3 + 1).float()
+            net.zero_grad(set_to_none=True)
+            with OpCounter() as counter:
+                with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=bool(dtype)):
+                    out = net(ModelBatch(rows, counts, n_cells=float(counts.sum())))
+                out.float().square().mean().backward()
+            ops.append(counter.total())
+        assert ops[0] == ops[1], (dtype, ops)

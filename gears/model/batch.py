@@ -33,12 +33,16 @@ class ModelBatch:
         then one row per cell (counts 1).
     covariates: name -> [R] long codes (of the categories recorded with the model), the
         declared names only.
+    n_cells: the sum of counts [R] as a Python number, when the caller knows it on the host
+        (the engine does for weighted rows), or None: a network may use it instead of summing
+        counts on the device (GEARSNet's batch-norms then count the cells in no device op).
     """
 
     pert_index: torch.Tensor
     counts: torch.Tensor | float = 1.0
     x: torch.Tensor | None = None
     covariates: dict[str, torch.Tensor] = field(default_factory=dict)
+    n_cells: float | None = None
 
     def __len__(self) -> int:
         return self.pert_index.shape[0]

@@ -11,6 +11,7 @@ architecture that calls them is gears/model/network.py.
 from __future__ import annotations
 
 import warnings
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -276,6 +277,18 @@ def statistics_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
 
 
+class CellWeights(NamedTuple):
+    """Row weights already divided by their total, with that total: fractions [R] (or [U] with
+    blocks=U, one per block of rows) sum to 1 (all 0 when they stand for no cell), and every row
+    (every row of a block) stands for fractions * cells cells. cells is a Python number when the
+    host knows it (GEARSNet: the batch's cell count), else a 0-dim tensor. A network makes one
+    and every batch-norm of the step shares it: none of them sums or divides the weights again,
+    and with a Python number the running statistics take the native path's few ops."""
+
+    fractions: torch.Tensor
+    cells: torch.Tensor | float
+
+
 class WeightedBatchNorm1d(nn.BatchNorm1d):
     """BatchNorm1d whose batch statistics weight each row by a multiplicity.
 
@@ -295,29 +308,36 @@ class WeightedBatchNorm1d(nn.BatchNorm1d):
     def forward(
         self,
         x: torch.Tensor,
-        weight: torch.Tensor | float | None = None,
+        weight: torch.Tensor | float | CellWeights | None = None,
         blocks: int | None = None,
     ) -> torch.Tensor:
-        """x [N, C]; weight [N] row multiplicities (0 excludes a row), a scalar, or None (= 1).
-        blocks=U: the caller guarantees that x's rows are U equal consecutive blocks whose rows
-        share one weight (GEARSNet's cell-gene rows); the statistics are then combined from
-        per-block native kernels (_BlockWeightedBatchNormFn)."""
+        """x [N, C]; weight [N] row multiplicities (0 excludes a row), a scalar, None (= 1), or
+        CellWeights (fractions [N], or [U] with blocks=U). blocks=U: the caller guarantees that
+        x's rows are U equal consecutive blocks whose rows share one weight (GEARSNet's
+        cell-gene rows); the statistics are then reduced per block (_BlockWeightedBatchNormFn).
+        """
         if not self.training:
             return super().forward(x)
         distributed = self.sync and dist.is_available() and dist.is_initialized()
-        tensor_weight = torch.is_tensor(weight) and weight.dim() == 1
-        # bf16/fp16 x too: the native kernels accumulate the block statistics in fp32.
+        stat_dtype = statistics_dtype(x)
+        fractions, n = None, None
+        if isinstance(weight, CellWeights):
+            # cells stand for rows of weight fractions * cells; a block's k rows each as much.
+            fractions = weight.fractions.to(stat_dtype)
+            n = weight.cells * (x.shape[0] // fractions.shape[0])
+        tensor_weight = fractions is not None or (torch.is_tensor(weight) and weight.dim() == 1)
+        # bf16/fp16 x too: the block statistics accumulate in fp32.
         if tensor_weight and not distributed and blocks is not None and blocks > 1:
-            stat_dtype = statistics_dtype(x)
-            block_w = weight.reshape(blocks, -1)[:, 0].to(stat_dtype)  # [U], no host sync
-            total = weight.to(stat_dtype).sum()
-            with torch.autocast(x.device.type, enabled=False):
+            if fractions is None:
+                block_w = weight.reshape(blocks, -1)[:, 0].to(stat_dtype)  # [U], no host sync
+                total = block_w.sum()
                 # All-zero weights (no perturbed row): fractions 0, statistics 0, output finite.
-                f = block_w / block_w.sum().clamp(min=1e-12)
+                fractions, n = block_w / total.clamp(min=1e-12), total * (x.shape[0] // blocks)
+            with torch.autocast(x.device.type, enabled=False):
                 y, mean, var = _BlockWeightedBatchNormFn.apply(
-                    x, f, self.weight, self.bias, self.eps, blocks
+                    x, fractions, self.weight, self.bias, self.eps, blocks
                 )
-            self._update_running(mean, var, total)
+            self._update_running(mean, var, n)
             return y
         if not tensor_weight and not distributed and x.shape[0] > 1:
             # The native kernel returns the batch mean and 1/sqrt(var + eps) it normalised with:
@@ -329,27 +349,33 @@ class WeightedBatchNorm1d(nn.BatchNorm1d):
             # weight: a Python number or a 0-dim tensor (never turned into a number: a sync).
             self._update_running(mean, var, x.shape[0] * (1.0 if weight is None else weight))
             return y
-        stat_dtype = statistics_dtype(x)
-        if tensor_weight:
-            w = weight.to(stat_dtype)
-        else:
-            # weight: None, a number or a 0-dim (device) tensor, broadcast without a host read.
-            w = torch.ones(x.shape[0], dtype=stat_dtype, device=x.device)
-            if weight is not None:
-                w = w * weight
         with torch.autocast(x.device.type, enabled=False):
             xf = x.to(stat_dtype)
-            if distributed:
-                y = self._sync_forward(xf, w)
+            if fractions is not None and fractions.shape[0] == x.shape[0] and not distributed:
+                w_frac, total = fractions, n
             else:
+                w = self._row_weights(weight, fractions, x.shape[0], stat_dtype, x.device)
+                if distributed:
+                    return self._sync_forward(xf, w).to(x.dtype)
                 total = w.sum()
                 # All-zero weights (no perturbed row): fractions 0, statistics 0, output finite.
                 w_frac = w / total.clamp(min=1e-12)
-                y, mean, var = _WeightedBatchNormFn.apply(
-                    xf, w_frac, self.weight, self.bias, self.eps
-                )
-                self._update_running(mean, var, total)
+            y, mean, var = _WeightedBatchNormFn.apply(xf, w_frac, self.weight, self.bias, self.eps)
+            self._update_running(mean, var, total)
         return y.to(x.dtype)
+
+    @staticmethod
+    def _row_weights(weight, fractions, rows: int, dtype: torch.dtype, device) -> torch.Tensor:
+        """Every row's multiplicity [rows] in dtype, from forward's weight (fractions: its
+        CellWeights' fractions in dtype, per row or per block of rows)."""
+        if fractions is not None:
+            w = fractions * weight.cells  # each row's (each block's) cells
+            return w.repeat_interleave(rows // fractions.shape[0]) if len(w) != rows else w
+        if torch.is_tensor(weight) and weight.dim() == 1:
+            return weight.to(dtype)
+        # weight: None, a number or a 0-dim (device) tensor, broadcast without a host read.
+        w = torch.ones(rows, dtype=dtype, device=device)
+        return w if weight is None else w * weight
 
     def _sync_forward(self, xf: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Weighted statistics over all processes, then the normalisation of the local rows."""
@@ -389,15 +415,18 @@ class WeightedBatchNorm1d(nn.BatchNorm1d):
         return mean, var, total
 
     def outer_sum_relu(
-        self, a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor | float | None = None
+        self,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        weight: torch.Tensor | float | CellWeights | None = None,
     ) -> torch.Tensor:
         """relu(BN(a[g] + b[u])) for every pair of a's G rows and b's U rows -> [U, G, C], the
         U*G rows (u, g) batch-normalised together, row (u, g) weighing weight[u] (a [U] tensor,
-        a scalar for every row, or None = 1): GEARSNet's gene embeddings plus each
-        perturbation's fused embedding. Equal to forward() on the [U*G, C] rows with
-        weight[u] repeated G times, without forming them: over a product of rows the weighted
-        mean is mean(a) + mean_w(b) and the variance var(a) + var_w(b) (the cross term sums
-        to zero), so the statistics cost (G + U) C instead of U G C, and the normalisation
+        CellWeights with [U] fractions, a scalar for every row, or None = 1): GEARSNet's gene
+        embeddings plus each perturbation's fused embedding. Equal to forward() on the [U*G, C]
+        rows with weight[u] repeated G times, without forming them: over a product of rows the
+        weighted mean is mean(a) + mean_w(b) and the variance var(a) + var_w(b) (the cross term
+        sums to zero), so the statistics cost (G + U) C instead of U G C, and the normalisation
         folds into a [G, C] and a [U, C] term: BN(a[g] + b[u]) = A[g] + B[u]. The only
         [U, G, C] passes are the sum with its ReLU and, backward, the mask and two sums.
         Statistics in fp32 (float64 for float64 inputs) with autocast disabled; the result in
@@ -418,7 +447,9 @@ class WeightedBatchNorm1d(nn.BatchNorm1d):
             # sync-BN over processes, no affine, and the compiler (which fuses it).
             fused = batch_stats and self.affine and not distributed
             if fused and not torch.compiler.is_compiling():
-                if torch.is_tensor(weight):
+                if isinstance(weight, CellWeights):
+                    f, n = weight.fractions.to(stat_dtype), G * weight.cells
+                elif torch.is_tensor(weight):
                     w = weight.to(stat_dtype)
                     total = w.sum()
                     # All-zero weights (no perturbed row): fractions 0, output finite.
@@ -436,14 +467,15 @@ class WeightedBatchNorm1d(nn.BatchNorm1d):
                 mean_a = af.mean(0)
                 centred_a = af - mean_a
                 var_a = (centred_a * centred_a).mean(0)
-                if torch.is_tensor(weight) or distributed:
-                    w = (
-                        weight
-                        if torch.is_tensor(weight)
-                        else torch.full(
+                if torch.is_tensor(weight) or isinstance(weight, CellWeights) or distributed:
+                    if isinstance(weight, CellWeights):
+                        w = weight.fractions * weight.cells
+                    elif torch.is_tensor(weight):
+                        w = weight
+                    else:
+                        w = torch.full(
                             (U,), 1.0 if weight is None else float(weight), device=b.device
                         )
-                    )
                     mean_b, var_b, total = self._weighted_stats(bf, w.to(stat_dtype), distributed)
                     n = G * total
                 else:
@@ -482,7 +514,7 @@ class WeightedBatchNorm1d(nn.BatchNorm1d):
             # A batch whose rows all weigh 0 (no perturbed cell) is not one: it leaves the
             # statistics and the count alone (GEARS skips the fusion MLP for it).
             counted = n > 0
-            self.num_batches_tracked.add_(counted.long())  # (+= would run __setattr__)
+            self.num_batches_tracked.add_(counted)  # (+= would run __setattr__)
             n = n.to(dtype)
             # counted * m keeps m exact in the statistics' dtype: torch.where(n > 0, m, 0.0)
             # made it a float32 0.1, and float64 running statistics drifted by 1.5e-8 of each
