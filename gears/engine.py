@@ -499,16 +499,32 @@ class Trainer:
 
     def scaler_step(self) -> None:
         """Optimizer step through the GradScaler, counting the steps it skips (fp16 overflow:
-        not fatal, the scale is lowered and training goes on)."""
+        not fatal, the scale is lowered and training goes on) on the device: no host sync."""
         if not self.scaler.is_enabled():
             self.scaler.step(self.opt)
             self.scaler.update()
             return
-        scale = self.scaler.get_scale()  # the scaler syncs on its inf check anyway
+        # The scale tensor, compared on the device (get_scale() is a host sync): it drops
+        # exactly when the step was skipped. (Fused Adam / AdamW read GradScaler's inf flag on
+        # the device too; with SGD, GradScaler.step reads it on the host.)
+        before = self.scaler._get_scale_async().clone()
         self.scaler.step(self.opt)
         self.scaler.update()
-        if self.scaler.get_scale() < scale:  # the scale only drops when the step was skipped
-            self.skipped_steps += 1
+        if self._skips is None:
+            self._skips = torch.zeros((), dtype=torch.long, device=before.device)
+        self._skips.add_(self.scaler._get_scale_async() < before)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps the GradScaler skipped (fp16 overflow), all epochs. Counted on the
+        device by scaler_step; reading this is a host sync (at epoch ends and checkpoints)."""
+        if self._skips is None:
+            return self._skips_host
+        return self._skips_host + int(to_host(self._skips).item())
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._skips_host, self._skips = int(value), None
 
     def check_step(self, epoch: int, watch: NonFiniteWatch) -> bool:
         """At a step boundary, agree over ranks on the stop flag (SIGTERM on any rank) and raise

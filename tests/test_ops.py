@@ -1,6 +1,6 @@
 """Tests for gears/opcount.py and what it guards: the ops of a training step stay flat in the
-distinct perturbations of a batch (each op is a kernel launch on a GPU); SyncGuard refuses the
-ops that make the host wait for the device, and lets fixed-shape ops run."""
+distinct perturbations of a batch (each op is a kernel launch on a GPU), and no op in the steady
+step makes the host wait for the device, in fp32, bf16 and fp16, in every row layout."""
 
 from __future__ import annotations
 
@@ -18,7 +18,14 @@ from gears.distributed import DistEnv
 from gears.engine import CELL_ROWS, RepeatRows, Trainer, seed_everything
 from gears.model.batch import ModelBatch
 from gears.model.kernels import WeightedBatchNorm1d, _BlockWeightedBatchNormFn
-from gears.opcount import HostSyncError, OpCounter, StepLoader, SyncGuard, count_epoch
+from gears.opcount import (
+    HostSyncError,
+    OpCounter,
+    StepLoader,
+    SyncGuard,
+    count_epoch,
+    guard_epoch,
+)
 
 # The step's bounds (benchmarks/bench_ops.py prints the same counts on a 1,000-gene screen):
 # batch 256 within 1.3x of batch 32's ops and under 700; batch 32 under 450.
@@ -208,6 +215,48 @@ def test_sync_guard_lets_fixed_shape_ops_run():
         out = t.repeat_interleave(repeats, output_size=3) + t[torch.arange(3)]
         out = torch.where(out > 0, out, 0.0).index_select(0, torch.zeros(2, dtype=torch.long))
     assert out.tolist() == [2.0, 2.0]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_steady_step_makes_no_host_sync(tiny, precision):
+    """Every op of the steady training step (batch.to(device), forward, loss, backward,
+    clipping, the optimizer step through the fp16 GradScaler, the engine's per-step
+    bookkeeping), in each row layout, under SyncGuard: nothing waits for the device. The
+    loader's gather is host work (numpy) and runs before; the row layout is chosen from host
+    counts and the stop / non-finite check syncs at its interval by design: both run allowed.
+    Caught: a boolean mask on the weighted batch-norm's weights (`w = w[w >= 0]`), which the
+    earlier check (Python-level .item() / bool()) let through, and the two get_scale() reads
+    per fp16 step that counted skipped steps."""
+    trainer = _trainer(tiny, precision)
+    batches = [_batch(tiny, LAYOUTS[k](32, 1), seed=i) for i, k in enumerate(LAYOUTS)]
+    kinds = {_kind(trainer.row_layout(b.counts)) for b in batches}
+    assert kinds == {"cells", "weighted", "repeat", "uniform"}
+    _epoch(trainer, batches, 0)  # warm-up: creates the optimizer's state
+    guard = guard_epoch(trainer, batches, epoch=1)
+    assert guard.refused == []
+    assert trainer.step == 2 * len(batches)
+
+
+def test_fp16_skipped_steps_are_counted_without_a_host_sync(tiny):
+    """A step whose gradients overflow is skipped by the GradScaler and counted on the device
+    under SyncGuard; the count reaches the history at the epoch's end."""
+    trainer = _trainer(tiny, "fp16")
+    batches = [_batch(tiny, LAYOUTS["weighted"](32, 0), seed=i) for i in range(3)]
+    _epoch(trainer, batches, 0)
+    loss_on = trainer.loss_on
+    calls = iter(range(100))
+
+    def overflowing(batch, layout=None):
+        loss = loss_on(batch, layout)
+        return loss * float("inf") if next(calls) == 1 else loss
+
+    trainer.loss_on = overflowing
+    scale = trainer.scaler.get_scale()
+    guard_epoch(trainer, batches, epoch=1)
+    assert trainer.skipped_steps == 1
+    assert trainer.history.skipped_steps == [0, 1]
+    assert trainer.scaler.get_scale() == scale / 2  # lowered once, then no growth yet
+    assert all(torch.isfinite(p).all() for p in trainer.net.parameters())
 
 
 def test_network_ops_are_flat_in_rows_on_the_gpu_path(tiny, monkeypatch):

@@ -40,6 +40,7 @@ class RepeatRows(NamedTuple):
 
     count: float
     repeats: torch.Tensor  # [U] long, host
+    rows: int  # sum(repeats), read on the host by row_layout (the step then reads nothing)
 
 
 # A layout: one count for every distinct row (float), RepeatRows, CELL_ROWS, or None (the
@@ -86,7 +87,7 @@ def row_layout(counts: torch.Tensor, per_cell: bool = False, compiled: bool = Fa
     whole = counts.long()
     g = int(np.gcd.reduce(whole.numpy())) if bool((whole == counts).all()) else 1
     if g > 1 and int(whole.sum()) // g <= counts.shape[0] + 1:
-        return RepeatRows(float(g), whole // g)
+        return RepeatRows(float(g), whole // g, int(whole.sum()) // g)
     if use_cell_rows(counts.shape[0], int(counts.sum())):
         return CELL_ROWS
     return None
@@ -112,7 +113,7 @@ def batch_rows(
         counts = batch.counts
     elif isinstance(layout, RepeatRows):
         repeats = layout.repeats.to(rows.device, non_blocking=True)
-        n_rows = int(layout.repeats.sum())  # host tensor: no device sync
+        n_rows = layout.rows
         rows = rows.repeat_interleave(repeats, dim=0, output_size=n_rows)
         codes = {k: c.repeat_interleave(repeats, 0, output_size=n_rows) for k, c in codes.items()}
         counts = layout.count
