@@ -8,10 +8,11 @@ loader / forward / loss / backward / optimizer / bookkeeping with module and opt
 a wrapper around `Tensor.backward`, so nothing here depends on how `Trainer.train_step` is split.
 
 `SyncGuard` refuses, inside a training step, every op that makes the host wait for the device:
-`.item()` and its kin, and the ops whose output shape depends on the data (SYNC_OPS,
-`sync_reason`); on CUDA it also turns on `torch.cuda.set_sync_debug_mode("error")`, which
-catches the rest (blocking copies, cudaStreamSynchronize). `run_epoch` drives
-`Trainer.train_epoch` over given batches with both, marking each step's boundary.
+`.item()` and its kin, and the ops whose output shape depends on the data (SYNC_OPS and
+`sync_reason`, for any tool that checks a step); on CUDA it also turns on
+`torch.cuda.set_sync_debug_mode("error")`, which catches the rest (blocking copies,
+cudaStreamSynchronize). `count_epoch` and `guard_epoch` drive `Trainer.train_epoch` over given
+batches with one or the other, marking each step's boundary.
 """
 
 from __future__ import annotations

@@ -276,3 +276,32 @@ def test_network_ops_are_flat_in_rows_on_the_gpu_path(tiny, monkeypatch):
                 out.float().square().mean().backward()
             ops.append(counter.total())
         assert ops[0] == ops[1], (dtype, ops)
+
+
+@pytest.mark.slow
+def test_bench_ops_quick_writes_every_row(tmp_path):
+    """benchmarks/bench_ops.py --quick: a row per precision, batching and batch size whose
+    phases add up to its total, the batch-size ratio of each, and the provenance fields."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "ops.json"
+    cmd = [sys.executable, str(root / "benchmarks" / "bench_ops.py"), "--quick", "--json", str(out)]
+    run = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert {"commit", "command", "date", "machine"} <= report["provenance"].keys()
+    rows = report["rows"]
+    keys = {(r["precision"], r["batching"], r["batch"]) for r in rows}
+    assert keys == {
+        (p, b, n) for p in ("fp32", "bf16") for b in ("random", "grouped") for n in (32, 256)
+    }
+    for row in rows:
+        assert abs(sum(row["phases"].values()) - row["mean"]) < 1e-6
+        assert row["phases"]["forward"] > 0 and row["phases"]["backward"] > 0
+    fp32 = [r for r in report["ratios"] if r["precision"] == "fp32"]
+    assert len(fp32) == 2 and all(r["ratio"] <= GROWTH for r in fp32)
+    assert "ratio" in run.stdout
