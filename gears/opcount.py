@@ -8,8 +8,9 @@ loader / forward / loss / backward / optimizer / bookkeeping with module and opt
 a wrapper around `Tensor.backward`, so nothing here depends on how `Trainer.train_step` is split.
 
 `SyncGuard` refuses, inside a training step, every op that makes the host wait for the device:
-`.item()` and its kin, and the ops whose output shape depends on the data (SYNC_OPS and
-`sync_reason`, for any tool that checks a step); on CUDA it also turns on
+`.item()` and its kin, and the ops whose output shape depends on the data (SYNC_OPS,
+`sync_reason` and `sync_kind`, for any tool that checks a step), naming the project's line that
+called the op (`project_line`, installed packages excluded); on CUDA it also turns on
 `torch.cuda.set_sync_debug_mode("error")`, which catches the rest (blocking copies,
 cudaStreamSynchronize). `count_epoch` and `guard_epoch` drive `Trainer.train_epoch` over given
 batches with one or the other, marking each step's boundary.
@@ -18,23 +19,28 @@ batches with one or the other, marking each step's boundary.
 from __future__ import annotations
 
 import contextlib
+import sysconfig
 import traceback
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
+ROOT = Path(__file__).resolve().parents[1]  # the repository's root (gears/..)
 
 PHASES = ("loader", "forward", "loss", "backward", "optimizer", "bookkeeping")
 
 # Ops that read a device value on the host, or whose output size depends on the data (the host
-# must wait for the device to know it), by overload packet. Conditional ones are in sync_reason.
+# must wait for the device to know it), by overload packet. Conditional ones are in sync_kind.
 SYNC_OPS: dict[object, str] = {
     aten._local_scalar_dense: "a tensor read as a Python number (.item(), float(), int(), bool())",
+    aten.item: "a tensor read as a Python number (.item())",
     aten.is_nonzero: "a tensor used as a condition (if tensor:, bool(tensor))",
     aten.equal: "torch.equal (a Python bool from two tensors)",
+    aten.allclose: "torch.allclose (a Python bool from two tensors)",
     aten.nonzero: "nonzero (its output size depends on the data)",
     aten.nonzero_numpy: "nonzero(as_tuple=True) (its output size depends on the data)",
     aten.argwhere: "argwhere (its output size depends on the data)",
@@ -55,32 +61,46 @@ _MASK_INDEXED += (aten._index_put_impl_,)
 _COPIES = (aten._to_copy, aten.copy_)
 
 
-def sync_reason(func, args: tuple, kwargs: dict) -> str | None:
-    """Why the aten op `func` called with (args, kwargs) makes the host wait for the device, or
-    None. Covers the ops that read a value (`.item()`, `bool()`), those whose output shape is
-    data (nonzero, masked_select, boolean-mask indexing, unique, repeat_interleave without
-    output_size, bincount, histc with min == max), tensors from Python data, and copies from a
-    non-CPU device to the host."""
+def _tensors(tree) -> list[torch.Tensor]:
+    """The tensors in a nest of lists, tuples and dicts (an op's args: indices may be a list)."""
+    if torch.is_tensor(tree):
+        return [tree]
+    if isinstance(tree, (list, tuple)):
+        return [t for x in tree for t in _tensors(x)]
+    if isinstance(tree, dict):
+        return [t for x in tree.values() for t in _tensors(x)]
+    return []
+
+
+def _classify(func, args: tuple, kwargs: dict) -> tuple[str, str] | None:
+    """(kind, reason) for an aten op that makes the host wait for the device, else None."""
     packet = func.overloadpacket
+    name = packet.__name__
     if packet in SYNC_OPS:
-        return SYNC_OPS[packet]
+        return name, SYNC_OPS[packet]
     if packet is aten.repeat_interleave:
         if func is aten.repeat_interleave.Tensor:
             repeats = args[0]
         else:
             repeats = args[1] if len(args) > 1 else kwargs.get("repeats")
         if torch.is_tensor(repeats) and kwargs.get("output_size") is None:
-            return "repeat_interleave with tensor repeats and no output_size"
+            return (
+                "repeat_interleave without output_size",
+                "repeat_interleave with tensor repeats and no output_size (the output size is "
+                "their sum)",
+            )
     if packet in _MASK_INDEXED:
         indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
-        for index in indices or ():
-            if torch.is_tensor(index) and index.dtype in (torch.bool, torch.uint8):
-                return "indexing with a boolean mask (the selected count is data)"
+        if any(t.dtype in (torch.bool, torch.uint8) for t in _tensors(indices)):
+            return (
+                f"{name} with a boolean mask",
+                "indexing with a boolean mask (the selected count is data)",
+            )
     if packet is aten.histc:
         low = args[2] if len(args) > 2 else kwargs.get("min", 0)
         high = args[3] if len(args) > 3 else kwargs.get("max", 0)
         if low == high:
-            return "histc without a range (it reads the data's min and max)"
+            return "histc without a range", "histc without a range (it reads the data's range)"
     if packet in _COPIES and args and torch.is_tensor(args[0]):
         source = args[0] if packet is not aten.copy_ else args[1]
         target = kwargs.get("device") if packet is not aten.copy_ else args[0].device
@@ -93,8 +113,27 @@ def sync_reason(func, args: tuple, kwargs: dict) -> str | None:
             and source.device.type != "cpu"
             and not non_blocking
         ):
-            return "a copy from the device to the host"
+            return f"{name} to the host", "a copy from the device to the host"
     return None
+
+
+def sync_kind(func, args: tuple, kwargs: dict) -> str | None:
+    """A short name for what makes the aten op `func` called with (args, kwargs) wait for the
+    device ("nonzero", "index with a boolean mask", "repeat_interleave without output_size",
+    ...), or None: sync_reason's cases, for a tool that lists the syncs it sees. Whether the op
+    reads a device tensor is the caller's to check (on a CPU twin every tensor is a host one)."""
+    found = _classify(func, args, kwargs)
+    return found[0] if found else None
+
+
+def sync_reason(func, args: tuple, kwargs: dict) -> str | None:
+    """Why the aten op `func` called with (args, kwargs) makes the host wait for the device, or
+    None. Covers the ops that read a value (`.item()`, `bool()`, torch.equal), those whose output
+    shape is data (nonzero, masked_select, boolean-mask indexing, unique, repeat_interleave
+    without output_size, bincount, histc with min == max), tensors from Python data, and copies
+    from a non-CPU device to the host."""
+    found = _classify(func, args, kwargs)
+    return found[1] if found else None
 
 
 class HostSyncError(AssertionError):
@@ -160,7 +199,7 @@ class SyncGuard(TorchDispatchMode):
                 torch.cuda.set_sync_debug_mode(cuda_mode)
 
     def _refuse(self, what: str) -> None:
-        where = _project_line()
+        where = project_line()
         message = f"host sync in the training step: {what}, at {where}"
         self.refused.append(message)
         raise HostSyncError(message)
@@ -204,14 +243,25 @@ class SyncGuard(TorchDispatchMode):
         return read
 
 
-def _project_line() -> str:
-    """The innermost frame of this project outside this module: the line that made the op."""
-    here = __file__
-    for frame in reversed(traceback.extract_stack()[:-2]):
-        if frame.filename == here or "/torch/" in frame.filename:
+def project_line(skip: Iterable[str | Path] = ()) -> str:
+    """The innermost line of the project's code on the stack, as "path:line (function: code)":
+    a file under the repository's root that is not in an installed package (a virtual
+    environment may live inside the clone, as CI's does: torch's frames are not the project's),
+    not this module and not one of `skip`. Outside the project (gears installed as a package, a
+    user's script): the innermost frame that is neither installed nor the standard library's."""
+    skipped = {Path(__file__).resolve(), *(Path(p).resolve() for p in skip)}
+    stdlib = {Path(sysconfig.get_paths()[k]).resolve() for k in ("stdlib", "platstdlib")}
+    outside = None
+    for frame in reversed(traceback.extract_stack()):
+        path = Path(frame.filename).resolve()
+        if path in skipped or "site-packages" in path.parts or "dist-packages" in path.parts:
             continue
-        return f"{frame.filename}:{frame.lineno} ({frame.name}: {frame.line})"
-    return "unknown"
+        code = f"{frame.lineno} ({frame.name}: {frame.line})"
+        if ROOT in path.parents:
+            return f"{path.relative_to(ROOT)}:{code}"
+        if outside is None and path.is_file() and not any(p in path.parents for p in stdlib):
+            outside = f"{path}:{code}"
+    return outside or "unknown"
 
 
 @contextlib.contextmanager

@@ -207,6 +207,40 @@ def test_sync_guard_refuses_ops_that_wait_for_the_device(name):
             SYNCING[name](t)
 
 
+def test_sync_guard_names_the_projects_line_when_the_venv_is_inside_the_clone(
+    tmp_path, monkeypatch
+):
+    """A clone whose virtual environment lives inside it (as CI's does): an installed package's
+    frame is under the repository root too, but the refusal names the project's line that
+    called into it, not the package's. Caught: the frame finder took the innermost frame that
+    was not torch's or its own, i.e. the installed package's line."""
+    import sys
+
+    import gears.opcount as opcount
+
+    installed = tmp_path / ".venv" / "lib" / "python3" / "site-packages"
+    installed.mkdir(parents=True)
+    (installed / "opcount_fake_pkg.py").write_text("def select(t):\n    return t.nonzero()\n")
+    (tmp_path / "opcount_fake_step.py").write_text(
+        "import opcount_fake_pkg\n\n\ndef step(t):\n    return opcount_fake_pkg.select(t) + 1\n"
+    )
+    monkeypatch.syspath_prepend(str(installed))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(opcount, "ROOT", tmp_path.resolve(), raising=False)
+    import opcount_fake_step
+
+    t = torch.tensor([1.0, 0.0])
+    try:
+        with SyncGuard(cuda=False), pytest.raises(HostSyncError) as caught:
+            opcount_fake_step.step(t)
+    finally:
+        for name in ("opcount_fake_step", "opcount_fake_pkg"):
+            sys.modules.pop(name, None)
+    message = str(caught.value)
+    assert "opcount_fake_step.py:5 (step:" in message, message
+    assert "site-packages" not in message, message
+
+
 def test_sync_guard_lets_fixed_shape_ops_run():
     """Long-index gathers, repeat_interleave with output_size and where() do not wait."""
     t = torch.tensor([1.0, -2.0, 3.0])
