@@ -331,19 +331,9 @@ def injected_fault(run: CheckRun) -> None:
             run.run([sys.executable, "-c", grandchild], f"{run.name}_hang")
 
 
-# ============================================================= host-sync watch (stand-in)
-# LOCAL STAND-IN: a TorchDispatchMode that lists the ops which make the host wait for the
-# device. A shared one (refusing such ops in the training-step tests) is being added to gears on
-# another branch; once it is on main, use it here and in tests/test_gpu_twins.py, and drop this
-# block.
-SYNCING_OPS = frozenset(
-    {
-        "_local_scalar_dense", "item", "is_nonzero", "equal", "allclose", "nonzero",
-        "nonzero_numpy", "argwhere", "masked_select", "unique", "_unique", "_unique2",
-        "unique_dim", "unique_consecutive", "unique_dim_consecutive", "bincount",
-    }
-)  # fmt: skip
-MASK_INDEXING_OPS = frozenset({"index", "index_put", "index_put_", "_index_put_impl_"})
+# ============================================================= host-sync watch
+# Which ops make the host wait is gears.opcount's (sync_kind; its SyncGuard refuses them in the
+# training-step tests, tests/test_ops.py): this watch lists those that read a device tensor.
 
 
 def _tensors(tree) -> list:
@@ -359,43 +349,26 @@ def _tensors(tree) -> list:
 
 
 def sync_reason(func, args: tuple, kwargs: dict) -> str | None:
-    """Why this aten op makes the host wait for the device, or None: an op whose output (or
-    size) the host must read, when it reads a device tensor (CUDA, or the stand-in's)."""
-    import torch
-
+    """Why this aten op makes the host wait for the device (gears.opcount.sync_kind: a value
+    read, an output size that is data, a copy to the host), or None; only when it reads a
+    device tensor (CUDA's, or the stand-in's): on the host nothing waits."""
     from gears.device import DeviceTensor
+    from gears.opcount import sync_kind
 
-    name = func.overloadpacket.__name__
-    if name in SYNCING_OPS:
-        why = name
-    elif (
-        name in MASK_INDEXING_OPS
-        and len(args) > 1
-        and any(t.dtype in (torch.bool, torch.uint8) for t in _tensors(args[1]))
-    ):
-        why = f"{name} with a boolean mask"
-    elif (
-        name == "repeat_interleave"
-        and func._overloadname in ("Tensor", "self_Tensor")
-        and kwargs.get("output_size") is None
-    ):
-        why = "repeat_interleave without output_size"
-    else:
+    why = sync_kind(func, args, kwargs)
+    if why is None:
         return None
     on_device = [t for t in _tensors((args, kwargs)) if t.is_cuda or isinstance(t, DeviceTensor)]
     return why if on_device else None
 
 
 def _project_call_site() -> str:
-    """The innermost line of the project's code (not this file's, not the stand-in's, and not
-    an installed package's: a virtual environment may live inside the clone, as .ci/run's does)."""
-    skip = {Path(__file__).resolve(), ROOT / "gears" / "device.py"}
-    for frame in reversed(traceback.extract_stack()[:-3]):
-        path = Path(frame.filename).resolve()
-        installed = "site-packages" in path.parts or "dist-packages" in path.parts
-        if ROOT in path.parents and path not in skip and not installed:
-            return f"{path.relative_to(ROOT)}:{frame.lineno} ({frame.name}: {frame.line})"
-    return "outside the project"
+    """The innermost line of the project's code (gears.opcount.project_line: not an installed
+    package's, even with the virtual environment inside the clone as .ci/run's is), not this
+    file's and not the stand-in's."""
+    from gears.opcount import project_line
+
+    return project_line(skip=(__file__, ROOT / "gears" / "device.py"))
 
 
 @contextlib.contextmanager
