@@ -601,6 +601,7 @@ def test_reference_forward_and_backward_wait_for_nothing_on_the_device(monkeypat
 
     from gears.config import ModelConfig
     from gears.device import STANDIN_ENV, module_to_device, to_device
+    from gears.model.batch import ModelBatch
     from gears.model.reference import GEARSReference
 
     monkeypatch.setenv(STANDIN_ENV, "1")
@@ -617,10 +618,10 @@ def test_reference_forward_and_backward_wait_for_nothing_on_the_device(monkeypat
         for counts in (1.0, None):
             net.train()
             with watch_host_syncs() as found:
-                delta = net(pert_index, counts)
+                delta = net(ModelBatch(pert_index, counts))
                 delta.pow(2).mean().backward()
             assert found == [], (name, counts, found)
         net.eval()
         with watch_host_syncs() as found, torch.no_grad():
-            net(pert_index)
+            net(ModelBatch(pert_index))
         assert found == [], (name, "eval", found)
