@@ -7,10 +7,22 @@ srun python train_distributed.py [key=value ...]                         # Slurm
 says so: only srun tasks are taken as workers)
 """
 
+import os
 import sys
 
-from gears.run import config_from_args, guarded, parse_args
-from gears.train_distributed import batch_script_note, launched_externally, spawn, worker_main
+# Idle OpenMP threads sleep instead of spinning, unless the user chose (gears.runtime.
+# wait_passively says why). libgomp reads this once, when torch loads: before importing gears.
+# mp.spawn's workers inherit it; torchrun's and srun's workers run this file themselves.
+if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+
+from gears.run import config_from_args, guarded, parse_args  # noqa: E402
+from gears.train_distributed import (  # noqa: E402
+    batch_script_note,
+    launched_externally,
+    spawn,
+    worker_main,
+)
 
 
 def main(argv=None):

@@ -2,8 +2,13 @@
 
 import os
 
-from gears.distributed import DistEnv, choose_device
-from gears.run import config_from_args, guarded, parse_args, run
+# Idle OpenMP threads sleep instead of spinning, unless the user chose (gears.runtime.
+# wait_passively says why). libgomp reads this once, when torch loads: before importing gears.
+if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+
+from gears.distributed import DistEnv, choose_device  # noqa: E402
+from gears.run import config_from_args, guarded, parse_args, run  # noqa: E402
 
 
 def main(argv=None):

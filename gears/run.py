@@ -197,17 +197,19 @@ def run(cfg: Config, env: DistEnv, pert_data=None) -> dict | None:
         cfg.save(out / "config.yaml")
     if pert_data is None:
         pert_data = load_pert_data(cfg, env)
-    set_threads(cfg.train.threads)  # after the data: scanpy's numba DE resets torch's pool
+    # After the data: scanpy's numba DE resets torch's pool.
+    threads = set_threads(cfg.train.threads)
     tune_allocator()  # glibc keeps freed activations: no per-step page faults
     wandb_run = init_wandb(cfg, env)
     model = GEARS(pert_data, env=env, wandb_run=wandb_run, out_dir=out, seed=cfg.seed)
     seed_everything(cfg.seed)  # the same initial weights on every rank, whatever ran before
     model.initialize(cfg.model, cfg.data)
-    t_train = time.perf_counter()
+    t_train, cpu_train = time.perf_counter(), time.process_time()
     history = model.train(
         train_cfg=cfg.train, dist_cfg=cfg.distributed, control_mean=cfg.eval.control_mean
     )
     train_s = time.perf_counter() - t_train
+    train_cpu_s = time.process_time() - cpu_train  # every thread: spinning waits show here
 
     t_eval = time.perf_counter()
     evaluator = model.evaluator  # its protocol: eval.control_mean, set by train()
@@ -270,9 +272,11 @@ def run(cfg: Config, env: DistEnv, pert_data=None) -> dict | None:
             "train_cells_per_s": float(np.mean(history.cells_per_s)) if history.cells_per_s else 0,
             "epoch_s": float(np.mean(history.epoch_s)) if history.epoch_s else 0.0,
             "train_s": train_s,
+            "train_cpu_s": train_cpu_s,
             "epochs": epochs_run,
             "eval_s": eval_s,
             "total_s": time.perf_counter() - t_start,
+            "threads": threads,  # torch's CPU threads while training (rank 0)
         }
         results["history"] = {
             "train_loss": history.train_loss,

@@ -25,6 +25,7 @@ from gears.distributed import (
     visible_gpus,
 )
 from gears.errors import GearsInputError
+from gears.runtime import wait_passively
 
 
 def launched_externally() -> bool:
@@ -107,6 +108,7 @@ def spawn(cfg: Config, nproc: int | None = None) -> dict | None:
             local_world_size=nproc,
             share_gpus=cfg.distributed.backend == "gloo",
         )
+    wait_passively()  # the workers' libgomp (train_multi_gpu's caller may have loaded torch)
     addr = cfg.distributed.master_addr
     port = cfg.distributed.master_port
     if port:
