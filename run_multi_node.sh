@@ -30,6 +30,11 @@ Environment variables (defaults in brackets):
   SRUN_ARGS       extra arguments for srun under Slurm          [empty]
                   (--cpus-per-task=$SLURM_CPUS_PER_TASK is passed when set: since Slurm 22.05
                   srun does not inherit it, and torchrun's workers would share one core)
+  OMP_NUM_THREADS CPU threads per worker; unset, each worker takes the physical cores of its
+                  CPU mask (the srun task's CPUs under Slurm) divided by NPROC_PER_NODE, and
+                  torchrun's own OMP_NUM_THREADS=1 is replaced by that share       [unset]
+  OMP_WAIT_POLICY how idle OpenMP threads wait: PASSIVE (set by train_distributed.py) sleeps,
+                  so a busy core slows a worker instead of stalling it           [PASSIVE]
   TORCH_DISABLE_SHARE_RDZV_TCP_STORE
                   1: the workers' process group gets its own store per restart. torchrun's
                   default reuses the rendezvous store, whose stale keys can make a restarted

@@ -16,7 +16,7 @@ from gears import checkpoint as ckpt
 from gears.config import Config, load_config
 from gears.distributed import DistEnv, build_in_stages
 from gears.errors import GearsInputError, TrainingStopped
-from gears.runtime import set_threads, tune_allocator
+from gears.runtime import auto_threads, set_threads, tune_allocator
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = ROOT / "configs" / "default.yaml"
@@ -197,8 +197,8 @@ def run(cfg: Config, env: DistEnv, pert_data=None) -> dict | None:
         cfg.save(out / "config.yaml")
     if pert_data is None:
         pert_data = load_pert_data(cfg, env)
-    # After the data: scanpy's numba DE resets torch's pool.
-    threads = set_threads(cfg.train.threads)
+    # After the data: scanpy's numba DE resets torch's pool. 0: this rank's share of the cores.
+    threads = set_threads(cfg.train.threads or auto_threads())
     tune_allocator()  # glibc keeps freed activations: no per-step page faults
     wandb_run = init_wandb(cfg, env)
     model = GEARS(pert_data, env=env, wandb_run=wandb_run, out_dir=out, seed=cfg.seed)

@@ -1,4 +1,4 @@
-"""Process-level CPU runtime settings: OpenMP waits, thread pools, allocator thresholds."""
+"""Process-level CPU runtime: OpenMP waits, thread counts per rank, allocator thresholds."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import contextlib
 import ctypes
 import ctypes.util
 import os
+import socket
 import sys
+from pathlib import Path
 
 import torch
 
@@ -14,6 +16,9 @@ import torch
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _INT_MAX = 2**31 - 1  # mallopt takes a C int: ~2 GiB is the largest threshold
+
+# Ranks of this process's node that share its cores (set by `share_cores`; 1 for one process).
+_sharers = 1
 
 
 def wait_passively(environ=None) -> bool:
@@ -23,18 +28,109 @@ def wait_passively(environ=None) -> bool:
     libgomp (torch's, MKL's and numba's OpenMP here) reads it once, when torch loads it, so
     this takes effect in processes started afterwards (mp.spawn's workers inherit it); the
     entry points do the same before importing gears, which imports torch. libgomp's default
-    spins a waiting thread for 300,000 pauses (~11 ms on a recent Xeon) before sleeping, so
-    when another process holds a core a thread spins away its time slice waiting for a
-    descheduled partner, at each of the ~250 parallel regions of a training step: the default
-    job with 3 epochs took 219 s beside one busy process, against 18 s at 1 thread, and
-    scanpy's numba t-test took 86 ms a call instead of 0.12 ms on a loaded machine. The policy
-    changes when threads run, never how work is split: the same thread count gives the same
-    numbers. Returns True when it set the policy."""
+    spins a waiting thread for 300,000 pauses (milliseconds) before sleeping, so when another
+    process holds a core a thread spins away its time slice waiting for a descheduled partner,
+    at each of the ~250 parallel regions of a training step: beside one busy process the
+    default job took 12x as long as at 1 thread, and on a loaded machine scanpy's numba t-test
+    (the same libgomp) 700x as long a call as with passive waits. The policy changes when
+    threads run, never how work is split: the same thread count gives the same numbers.
+    Returns True when it set the policy."""
     environ = os.environ if environ is None else environ
     if "OMP_WAIT_POLICY" in environ or "GOMP_SPINCOUNT" in environ:
         return False
     environ["OMP_WAIT_POLICY"] = "PASSIVE"
     return True
+
+
+def usable_cores() -> int:
+    """The physical cores this process may run on: the CPUs of its affinity mask
+    (`os.sched_getaffinity`: taskset, cpusets, Slurm's binding), hyperthread siblings counted
+    once, as torch's own default counts them. At least 1."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return max(1, os.cpu_count() or 1)
+    cores = set()
+    for cpu in cpus:
+        topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            package = (topology / "physical_package_id").read_text().strip()
+            cores.add((package, (topology / "core_id").read_text().strip()))
+        except OSError:
+            cores.add(("cpu", str(cpu)))
+    return max(1, len(cores))
+
+
+def user_thread_count(environ=None, launcher_pid: int | None = None) -> int | None:
+    """OMP_NUM_THREADS when the user set it, else None. torchrun sets OMP_NUM_THREADS=1 for its
+    workers when it starts several per node and the user set none: that 1 is torchrun's, told
+    apart by its absence from the environment torchrun itself started with (/proc/<launcher>/
+    environ; launcher_pid: default this process's parent). Where that cannot be read the 1 is
+    kept: it never oversubscribes."""
+    environ = os.environ if environ is None else environ
+    value = environ.get("OMP_NUM_THREADS", "").strip()
+    if not value:
+        return None
+    try:
+        n = int(value.split(",")[0])
+    except ValueError:
+        return None
+    if n == 1 and "TORCHELASTIC_RUN_ID" in environ:
+        if not _launcher_set_omp(os.getppid() if launcher_pid is None else launcher_pid):
+            return None
+    return max(1, n)
+
+
+def _launcher_set_omp(pid: int) -> bool:
+    """Whether process `pid` started with OMP_NUM_THREADS in its environment (True if unknown)."""
+    try:
+        return b"\0OMP_NUM_THREADS=" in b"\0" + Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return True
+
+
+def auto_threads(sharers: int | None = None) -> int:
+    """The CPU threads of `train.threads=0`: this process's usable cores divided among the ranks
+    of its node that share them (`share_cores`, default 1: one process takes them all, as
+    torch's own default does), or 0 (leave torch's count) when the user set OMP_NUM_THREADS,
+    which torch read when it loaded. Never from measured load: the thread count fixes the
+    float summation order, so a rerun must get the same one."""
+    if user_thread_count() is not None:
+        return 0
+    return max(1, usable_cores() // (sharers or _sharers))
+
+
+def share_cores(store, rank: int, world_size: int, prefix: str = "gears/cpus") -> int:
+    """How many ranks of this node run on this process's cores, agreed through the launcher's
+    store before the process group exists; remembered for `auto_threads`. Ranks started by
+    mp.spawn or torchrun inherit one affinity mask and divide its cores; srun tasks bound to
+    their own CPUs share nothing and keep theirs. Every rank must call it (each reads every
+    other's entry). Returns the count (>= 1)."""
+    global _sharers
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # keys outlive a restart
+        prefix = f"{prefix}/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    try:
+        mine = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        mine = list(range(os.cpu_count() or 1))
+    me = f"{socket.gethostname()}|{','.join(map(str, mine))}"
+    store.set(f"{prefix}/{rank}", me)
+    entries = [store.get(f"{prefix}/{r}").decode() for r in range(world_size)]
+    _sharers = sharing_ranks(me, entries)
+    return _sharers
+
+
+def sharing_ranks(me: str, entries: list[str]) -> int:
+    """Of `entries` ("host|cpu,cpu,..." per rank, this one's among them), how many are on this
+    host with at least one CPU in common with `me`: the ranks that divide these cores."""
+    host, cpus = me.split("|")
+    mine = set(cpus.split(","))
+    return max(
+        1,
+        sum(
+            1 for e in entries if e.split("|")[0] == host and mine & set(e.split("|")[1].split(","))
+        ),
+    )
 
 
 def set_threads(n: int) -> int:

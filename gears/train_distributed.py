@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -25,7 +26,7 @@ from gears.distributed import (
     visible_gpus,
 )
 from gears.errors import GearsInputError
-from gears.runtime import wait_passively
+from gears.runtime import auto_threads, set_threads, share_cores, wait_passively
 
 
 def launched_externally() -> bool:
@@ -67,6 +68,8 @@ def worker_main(cfg: Config) -> dict | None:
     pert_data = None
     if world_size > 1:
         store, rank, world_size = rendezvous_store(d.data_wait_s)
+        share_cores(store, rank, world_size)
+        use_threads(cfg.train.threads or auto_threads())
         before_group = DistEnv(rank, local_rank, world_size, device, backend=None)
         pert_data = load_pert_data(cfg, before_group, store=store)
     env = init_distributed(cfg.device, d.backend, d.timeout_s, d.gpu_ids, store=store)
@@ -74,6 +77,15 @@ def worker_main(cfg: Config) -> dict | None:
         return run(cfg, env, pert_data)
     finally:
         cleanup(env)
+
+
+def use_threads(n: int) -> None:
+    """This rank's CPU threads from the start, so that ranks building their data at once (numba's
+    DE kernels, torch's) divide the node's cores as training will; run() sets them again after
+    the data step, which may have started numba's pool. n <= 0 leaves them as they are."""
+    if n > 0 and "numba" not in sys.modules:
+        os.environ.setdefault("NUMBA_NUM_THREADS", str(n))  # numba's pool size, read at import
+    set_threads(n)
 
 
 def _spawned(local_rank: int, nproc: int, cfg: Config, addr: str, port: int) -> None:

@@ -1,5 +1,5 @@
-"""Training beside a busy core (gears/runtime.py, the entry points): idle OpenMP threads sleep
-instead of spinning."""
+"""Training beside a busy core and ranks sharing a node (gears/runtime.py, the entry points): idle
+OpenMP threads sleep instead of spinning, and the ranks of one node divide its cores."""
 
 from __future__ import annotations
 
@@ -9,11 +9,14 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
+from helpers import TINY_CLI
 
-from gears.runtime import wait_passively
+from gears import checkpoint as ckpt
+from gears.runtime import sharing_ranks, usable_cores, user_thread_count, wait_passively
 
 ROOT = Path(__file__).resolve().parents[1]
 # Settings a user's shell may hold; the tests below start from none of them.
@@ -77,9 +80,10 @@ def test_entry_points_load_openmp_with_passive_waits(script):
     settings = _libgomp_settings(got.stderr)
     assert settings.get("GOMP_SPINCOUNT") == "0", settings
     assert settings.get("OMP_WAIT_POLICY") == "PASSIVE", settings
-    mine = _user_env(OMP_DISPLAY_ENV="verbose", GOMP_SPINCOUNT="12345")
-    kept = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=mine)
-    assert _libgomp_settings(kept.stderr).get("GOMP_SPINCOUNT") == "12345"
+    if script == "train_single.py":  # (both scripts share the two lines that decide)
+        mine = _user_env(OMP_DISPLAY_ENV="verbose", GOMP_SPINCOUNT="12345")
+        kept = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=mine)
+        assert _libgomp_settings(kept.stderr).get("GOMP_SPINCOUNT") == "12345"
 
 
 @pytest.mark.slow
@@ -91,7 +95,7 @@ def test_busy_core_costs_no_spinning_cpu(tmp_path):
     several times the CPU of the 1-thread one (the whole job: 222 s user time for 219 s wall,
     against 18 s at 1 thread); waiting passively it does the 1-thread work plus the overhead of
     splitting it."""
-    if len(os.sched_getaffinity(0)) < 2:
+    if usable_cores() < 2:
         pytest.skip("needs 2 cores")
     timing = {}
     for threads in ("default", "1"):
@@ -116,7 +120,120 @@ def test_busy_core_costs_no_spinning_cpu(tmp_path):
             )
         assert got.returncode == 0, got.stderr[-2000:]
         timing[threads] = json.loads((tmp_path / threads / "metrics.json").read_text())["timing"]
-    assert timing["default"]["threads"] >= 2
+    assert timing["default"]["threads"] == usable_cores()  # one process: every core
     assert timing["1"]["threads"] == 1
     ratio = timing["default"]["train_cpu_s"] / timing["1"]["train_cpu_s"]
     assert ratio < 2.5, (ratio, timing)  # measured: 1.45 at load 20; spinning: 20
+
+
+# --------------------------------------------------------------------- ranks sharing a node
+def test_sharing_ranks_counts_the_ranks_on_this_hosts_cores():
+    mine = "a|0,1,2,3"
+    shared = [mine, "a|0,1,2,3", "b|0,1,2,3"]  # launched by mp.spawn or torchrun on host a
+    assert sharing_ranks(mine, shared) == 2
+    bound = [mine, "a|4,5,6,7", "a|8,9"]  # srun tasks bound to their own CPUs
+    assert sharing_ranks(mine, bound) == 1
+    assert sharing_ranks(mine, [mine, "a|3,4"]) == 2  # any CPU in common divides
+
+
+def test_torchruns_own_omp_num_threads_is_not_the_users(tmp_path):
+    """torchrun sets OMP_NUM_THREADS=1 in its workers when the user set none; the user's own 1
+    is kept. The launcher's starting environment tells them apart."""
+    plain = _user_env()
+    users = _user_env(OMP_NUM_THREADS="1")
+    for launcher_env, want in ((plain, None), (users, 1)):
+        launcher = subprocess.Popen(["sleep", "60"], env=launcher_env)
+        try:
+            worker = {"OMP_NUM_THREADS": "1", "TORCHELASTIC_RUN_ID": "x"}
+            assert user_thread_count(worker, launcher_pid=launcher.pid) == want
+        finally:
+            launcher.kill()
+            launcher.wait()
+    assert user_thread_count({"OMP_NUM_THREADS": "3"}) == 3  # not torchrun's value
+    assert user_thread_count({}) is None
+
+
+PROBE = textwrap.dedent(
+    """
+    import json, os, sys, time
+    from gears.runtime import auto_threads, share_cores, usable_cores, user_thread_count
+
+    def probe(local_rank, out, cpus):
+        if local_rank is not None:  # mp.spawn: the variables train_distributed.py sets
+            from gears.distributed import set_local_rank_env
+            set_local_rank_env(local_rank, 2, int(os.environ["PROBE_PORT"]))
+        if cpus:  # this rank's own CPUs, as srun binds each task
+            os.sched_setaffinity(0, {int(c) for c in cpus.split(";")[int(os.environ["RANK"])]})
+        from gears.distributed import rendezvous_store
+        store, rank, world_size = rendezvous_store(120)
+        sharers = share_cores(store, rank, world_size)
+        report = dict(sharers=sharers, threads=auto_threads(), cores=usable_cores(),
+                      user=user_thread_count())
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump(report, f)
+        store.add("probe/done", 1)
+        while rank == 0 and store.add("probe/done", 0) < world_size:  # it hosts the store
+            time.sleep(0.05)
+
+    if __name__ == "__main__":
+        out, cpus, how = sys.argv[1], sys.argv[2], sys.argv[3]
+        if how == "spawn":
+            import torch.multiprocessing as mp
+            mp.spawn(probe, args=(out, cpus), nprocs=2, join=True)
+        else:
+            probe(None, out, cpus)
+    """
+)
+
+
+def _probe(tmp_path: Path, how: str, cpus: str = "", **env: str) -> list[dict]:
+    from gears.distributed import find_free_port
+
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    out = tmp_path / f"{how}{len(list(tmp_path.glob(how + '*')))}"
+    out.mkdir()
+    if how == "spawn":
+        cmd = [sys.executable, str(script), str(out), cpus, how]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        cmd += ["--nproc_per_node", "2", str(script), str(out), cpus, how]
+    env = _user_env(PROBE_PORT=str(find_free_port("127.0.0.1")), PYTHONPATH=str(ROOT), **env)
+    got = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert got.returncode == 0, got.stderr[-3000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.slow
+def test_ranks_of_one_node_divide_its_cores_or_keep_their_own(tmp_path):
+    """Real processes and the launchers' own stores. torchrun's workers inherit one CPU mask
+    and divide its cores, and its OMP_NUM_THREADS=1 is recognised as its own, not the user's;
+    mp.spawn's ranks bound to disjoint CPUs (as srun binds its tasks) keep theirs. (mp.spawn's
+    ranks sharing a mask: test_spawned_ranks_train_on_their_share_of_the_cores.)"""
+    for report in _probe(tmp_path, "torchrun"):
+        assert report["sharers"] == 2, report
+        assert report["user"] is None, report  # torchrun's 1 is not the user's
+        assert report["threads"] == max(1, usable_cores() // 2), report
+    if len(os.sched_getaffinity(0)) < 2:
+        return
+    first, second = sorted(os.sched_getaffinity(0))[:2]
+    for report in _probe(tmp_path, "spawn", f"{first};{second}"):
+        assert report == {**report, "sharers": 1, "threads": 1, "cores": 1}
+
+
+@pytest.mark.slow
+def test_spawned_ranks_train_on_their_share_of_the_cores(tmp_path):
+    """`train_distributed.py --nproc 2` with no thread setting: rank 0 trained (metrics.json,
+    and the checkpoint's record) on half the cores. Before, each rank kept torch's default,
+    every core, so two ranks oversubscribed the node twice over."""
+    cmd = [sys.executable, str(ROOT / "train_distributed.py"), "--nproc", "2"]
+    cmd += [f"out_dir={tmp_path / 'run'}", f"data.data_dir={tmp_path / 'data'}"]
+    cmd += ["device=cpu", "wandb.mode=disabled", f"data.synthetic={TINY_CLI}"]
+    cmd += ["model.hidden_size=16", "train.epochs=1", "train.plot_conditions=0"]
+    cmd += ["distributed.timeout_s=120"]
+    got = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_user_env())
+    assert got.returncode == 0, got.stderr[-3000:]
+    want = max(1, usable_cores() // 2)
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["timing"]["threads"] == want
+    state = ckpt.load(ckpt.list_checkpoints(tmp_path / "run" / "checkpoints")[-1])
+    assert state["cpu_threads"] == want
