@@ -364,6 +364,9 @@ def run_tool(tool: str, folder: Path, seed: int, epochs: int, args, cg_python: P
     env.update(OMP_NUM_THREADS=str(args.threads), NUMBA_NUM_THREADS=str(args.threads))
     env.setdefault("WANDB_MODE", "disabled")
     if tool == "ours":
+        # As train_single.py runs: idle OpenMP threads sleep (cell-gears runs as it ships).
+        if "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env:
+            env["OMP_WAIT_POLICY"] = "PASSIVE"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "ours"]
         cmd += ["--dir", str(folder), "--seed", str(seed), "--epochs", str(epochs)]
         cmd += ["--threads", str(args.threads)]

@@ -316,3 +316,35 @@ def test_gpu_check_speed_on_cpu_measures_norman_mix_against_the_targets(tmp_path
         assert t["x_bound"] == pytest.approx(rows[config]["cells_per_s"] / bound, abs=1e-3)
         assert t["status"] == "n/a"
     assert "compiled bf16 skipped" in speed["reason"]
+
+
+def test_bench_load_ratios_are_the_medians_the_table_names():
+    """benchmarks/bench_load.py's summary: medians per load and arm over successful runs only,
+    and the ratios the targets name (busy: default / threads=1; idle: threads=1 / default)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_load import summarise, table
+
+    names = ["1 rank, default", "1 rank, train.threads=1"]
+
+    def run(kind, name, wall, exit_code=0):
+        return {"load": kind, "arm": name, "wall_s": wall, "cpu_s": wall, "exit": exit_code}
+
+    runs = [
+        run("idle", names[0], 10.0),
+        run("idle", names[0], 12.0),
+        run("idle", names[0], 99.0, exit_code=1),  # a failed run counts, its time does not
+        run("idle", names[1], 13.0),
+        run("busy", names[0], 30.0),
+        run("busy", names[1], 20.0),
+    ]
+    summary = summarise(runs, names, ["idle", "busy"])
+    cell = summary["cells"]["idle | 1 rank, default"]
+    assert (cell["runs"], cell["failed"], cell["wall_s"]) == (3, 1, 11.0)
+    ratios = summary["ratios"]
+    assert ratios["busy: 1 rank default / threads=1 (target <= 1.5)"] == 1.5
+    assert ratios["idle: 1 rank threads=1 / default (second core's gain)"] == 13.0 / 11.0
+    assert ratios["busy / idle: 1 rank, default"] == 30.0 / 11.0
+    assert ratios["busy: 2 ranks default / threads=1 (target <= 1.5)"] is None  # not run
+    text = table(summary)
+    assert "| idle | 1 rank, default | 3 (1 failed) | 11.0 |" in text
+    assert "| busy: 1 rank default / threads=1 (target <= 1.5) | 1.50 |" in text
