@@ -82,11 +82,14 @@ def user_thread_count(environ=None, launcher_pid: int | None = None) -> int | No
 
 
 def _launcher_set_omp(pid: int) -> bool:
-    """Whether process `pid` started with OMP_NUM_THREADS in its environment (True if unknown)."""
+    """Whether process `pid` started with OMP_NUM_THREADS in its environment (True if unknown).
+    An empty read is unknown too: a process that is still exec'ing (the kernel has not yet
+    placed its environment) or has no memory left reads as no environment at all."""
     try:
-        return b"\0OMP_NUM_THREADS=" in b"\0" + Path(f"/proc/{pid}/environ").read_bytes()
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
     except OSError:
         return True
+    return not raw or b"\0OMP_NUM_THREADS=" in b"\0" + raw
 
 
 def auto_threads(sharers: int | None = None) -> int:

@@ -141,16 +141,33 @@ def test_torchruns_own_omp_num_threads_is_not_the_users(tmp_path):
     is kept. The launcher's starting environment tells them apart."""
     plain = _user_env()
     users = _user_env(OMP_NUM_THREADS="1")
+    worker = {"OMP_NUM_THREADS": "1", "TORCHELASTIC_RUN_ID": "x"}
     for launcher_env, want in ((plain, None), (users, 1)):
-        launcher = subprocess.Popen(["sleep", "60"], env=launcher_env)
+        # A launcher that has printed has finished exec'ing: its environment is in place.
+        cmd = ["sh", "-c", "echo up; exec sleep 60"]
+        launcher = subprocess.Popen(cmd, env=launcher_env, stdout=subprocess.PIPE, text=True)
         try:
-            worker = {"OMP_NUM_THREADS": "1", "TORCHELASTIC_RUN_ID": "x"}
+            assert launcher.stdout.readline() == "up\n"
             assert user_thread_count(worker, launcher_pid=launcher.pid) == want
         finally:
             launcher.kill()
             launcher.wait()
     assert user_thread_count({"OMP_NUM_THREADS": "3"}) == 3  # not torchrun's value
     assert user_thread_count({}) is None
+
+
+def test_a_launcher_still_starting_keeps_the_users_omp_num_threads():
+    """Read at once, a just-started process's /proc/<pid>/environ is often empty: the kernel
+    places the environment after the parent resumes (about half of reads on a loaded machine).
+    Empty is unknown, so the user's 1 is kept, never taken for torchrun's."""
+    worker = {"OMP_NUM_THREADS": "1", "TORCHELASTIC_RUN_ID": "x"}
+    for _ in range(40):
+        launcher = subprocess.Popen(["sleep", "60"], env=_user_env(OMP_NUM_THREADS="1"))
+        try:
+            assert user_thread_count(worker, launcher_pid=launcher.pid) == 1
+        finally:
+            launcher.kill()
+            launcher.wait()
 
 
 PROBE = textwrap.dedent(
