@@ -27,6 +27,8 @@
 #   bench_predict                docs/predictions.md: predict.py at challenge size
 #   bench_train                  docs/performance.md: cells/s against the bare bound
 #   bench_distributed            docs/performance.md: 2 gloo processes against 1
+#   bench_load                   docs/performance.md "Under load": idle and beside a busy core,
+#                                default threads vs 1, 1 and 2 ranks, spinning waits (~40 min idle)
 #   bench_scale                  docs/large_screens.md: Norman, VCC and Replogle sizes, memory
 #   suite                        docs/testing.md: the test suite's time (python -m pytest -q)
 set -euo pipefail
@@ -34,7 +36,7 @@ cd "$(dirname "$0")/.."
 WORK=${WORK:-/tmp/gears_tables}
 RESULTS_TABLES="seeds_default seeds_norman seeds_gears_paper control_mean vs_cell_gears"
 ALL_TABLES="$RESULTS_TABLES vs_cell_gears_large reference_cost check_model compare_contexts \
-default_run vcc_example bench_predict bench_train bench_distributed bench_scale suite"
+default_run vcc_example bench_predict bench_train bench_distributed bench_load bench_scale suite"
 TABLES=${TABLES:-$RESULTS_TABLES}
 [ "$TABLES" = all ] && TABLES=$ALL_TABLES
 RESULTS=benchmarks/results
@@ -171,6 +173,9 @@ PY
                 --json "$RESULTS/bench_train.json" ;;
         bench_distributed)
             python benchmarks/bench_distributed.py --json "$RESULTS/bench_distributed.json" ;;
+        bench_load)  # the thread defaults themselves: no OMP_NUM_THREADS (the script clears it)
+            python benchmarks/bench_load.py --spinning --work "$WORK/bench_load" \
+                --json "$RESULTS/bench_load.json" ;;
         bench_scale)
             python benchmarks/bench_scale.py --cells 90000 --genes 5000 --perts 230 --nproc 2 \
                 --steps 30 --compare-memory --json "$RESULTS/bench_scale_norman.json"
