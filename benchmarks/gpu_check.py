@@ -668,7 +668,7 @@ def child_no_sync(spec: dict) -> dict:
     from gears.data.pertdata import PertData
     from gears.device import HostReadError
     from gears.distributed import DistEnv
-    from gears.engine import Trainer
+    from gears.engine import Trainer, set_train_mode
 
     device = torch.device(spec["device"])
     pert_data = PertData(spec["data_dir"], verbose=False)
@@ -691,7 +691,7 @@ def child_no_sync(spec: dict) -> dict:
                 pin_memory=device.type == "cuda",
             )["train_loader"]  # fmt: skip
             loader.set_epoch(1)
-            trainer.set_train_mode()
+            set_train_mode(trainer.model, trainer.net, cfg.freeze_batchnorm)
             found, layouts, steps = [], set(), 0
             for i, batch in enumerate(loader):
                 if i == 6:
