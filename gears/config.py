@@ -339,12 +339,47 @@ def _coerce(value: Any, annotation, key: str) -> Any:
     return value
 
 
+class DuplicateKeyError(yaml.YAMLError):
+    """A mapping names one key twice: YAML keeps the last value and silently drops the first."""
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load that refuses a key given twice in one mapping (a second `train:` block
+    would otherwise replace the first whole, dropping its keys without a word)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<:` merges may override
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                try:
+                    first = seen.get(key)
+                    seen[key] = line
+                except TypeError:  # an unhashable key: SafeLoader's own error names it
+                    break
+                if first is not None:
+                    where = f"lines {first} and {line}" if first != line else f"line {line}"
+                    raise DuplicateKeyError(
+                        f"key {key!r} appears twice ({where}); YAML keeps only the last, "
+                        "dropping the first one's values: merge them into one"
+                    )
+        return super().construct_mapping(node, deep=deep)
+
+
+def yaml_load(text: str) -> Any:
+    """yaml.safe_load, except that a key repeated in one mapping is a DuplicateKeyError."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 def _yaml_text(value: Any) -> Any:
     """A string holding a YAML list or mapping ('[a, b]', '{n_genes: 50}') read as one."""
     if not isinstance(value, str):
         return value
     try:
-        return yaml.safe_load(value)
+        return yaml_load(value)
     except yaml.YAMLError:
         raise ValueError(value) from None
 
@@ -369,7 +404,9 @@ def _parse_override(key: str, text: str) -> Any:
     if not text.strip():
         return ""
     try:
-        value = yaml.safe_load(text)
+        value = yaml_load(text)
+    except DuplicateKeyError as e:
+        raise GearsInputError(f"config key {key!r}: {text!r}: {e}") from None
     except yaml.YAMLError as e:
         first = str(e).strip().splitlines()[0]
         raise GearsInputError(
@@ -426,6 +463,29 @@ def _set(cfg: Config, dotted: Any, value: Any) -> None:
         return
 
 
+def _dotted_leaves(data: dict, prefix: str = "") -> list[str]:
+    """The dotted keys a YAML mapping sets: {'train': {'lr': 1}, 'train.epochs': 2} ->
+    ['train.lr', 'train.epochs']."""
+    keys = []
+    for k, v in data.items():
+        key = f"{prefix}{k}"
+        keys += _dotted_leaves(v, f"{key}.") if isinstance(v, dict) and v else [key]
+    return keys
+
+
+def _refuse_repeated_keys(data: dict, path: Path) -> None:
+    """One file setting a key twice, spelled two ways (`train.lr: 1` beside `train: {lr: 2}`),
+    would keep whichever comes last: an error naming the key, as a repeated YAML key is."""
+    seen = set()
+    for key in _dotted_leaves(data):
+        if key in seen:
+            raise GearsInputError(
+                f"config file {path} sets {key!r} twice (as a dotted key and inside its section); "
+                "only one would be kept: keep one of them"
+            )
+        seen.add(key)
+
+
 def load_config(
     path: str | Path | None = None,
     overrides: list[str] | None = None,
@@ -442,7 +502,9 @@ def load_config(
         if not p.is_file():
             raise GearsInputError(f"config file {p} is not a file; give the path of a YAML file")
         try:
-            data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+            data = yaml_load(p.read_text(encoding="utf-8")) or {}
+        except DuplicateKeyError as e:
+            raise GearsInputError(f"config file {p}: {e}") from None
         except (UnicodeDecodeError, yaml.YAMLError) as e:
             first = str(e).strip().splitlines()[0]
             raise GearsInputError(
@@ -451,6 +513,7 @@ def load_config(
             ) from None
         if not isinstance(data, dict):
             raise GearsInputError(f"config file {p} must hold a mapping of keys, not {type(data)}")
+        _refuse_repeated_keys(data, p)
         for k, v in data.items():
             _set(cfg, k, v)
     for item in overrides or []:

@@ -31,7 +31,9 @@ def parse_args(argv: list[str] | None, description: str, extra=None):
     if extra is not None:
         extra(parser)
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
-    return parser.parse_args(argv)
+    # Intermixed: `train.epochs=5 --config FILE train.limit_batches=5` takes both overrides
+    # (plain parse_args stops the positional list at the first option and rejects the rest).
+    return parser.parse_intermixed_args(argv)
 
 
 def config_from_args(args) -> Config:

@@ -136,6 +136,77 @@ def _resume(ctx, data, hidden: int, run: str = "run", **train_kw):
     trainer.resume()
 
 
+def _resume_same(ctx, data=None, run: str = "run", **train_kw):
+    """A trainer resuming `run` with the settings that wrote it (hidden 8, batch 8, 2 batches
+    an epoch, 1 epoch), except `train_kw`."""
+    seed_everything(0)
+    data = ctx.data if data is None else data
+    model = GEARS(data, device="cpu").model_initialize(hidden_size=8)
+    cfg = TrainConfig(**{"epochs": 1, "batch_size": 8, "limit_batches": 2, **train_kw})
+    trainer = Trainer(
+        model.model, data, cfg, ModelConfig(hidden_size=8), DistEnv(), out_dir=ctx.tmp / run
+    )
+    return trainer.resume()
+
+
+def _checkpoints_copy(ctx, name: str, edit) -> str:
+    """The run's checkpoint folder copied to `name`, each file passed through edit(path)."""
+    folder = ctx.tmp / name / "checkpoints"
+    if not folder.exists():
+        shutil.copytree(ctx.tmp / "run" / "checkpoints", folder)
+        for path in ckpt.list_checkpoints(folder):
+            edit(path)
+    return name
+
+
+def _truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 3])
+
+
+def _drop_fingerprint(path: Path) -> None:
+    state = ckpt.load(path)
+    del state["fingerprint"]
+    torch.save(state, path)
+
+
+def _h5ad(ctx, name: str, edit) -> Path:
+    """tiny_screen written to `name`, then its bytes passed through edit(bytes) -> bytes."""
+    path = ctx.tmp / name
+    tiny_screen().write_h5ad(path)
+    path.write_bytes(edit(path.read_bytes()))
+    return path
+
+
+def _load_h5ad(ctx, path: Path):
+    PertData(ctx.tmp / "d", gene2go=ctx.go, verbose=False).load(data_path=path)
+
+
+def ensembl_var_names(ctx):
+    """Gene ids of another kind than the labels and GO source (which use symbols)."""
+    adata = tiny_screen()
+    adata.var_names = [f"ENSG{i:011d}" for i in range(adata.n_vars)]
+    _process(ctx, adata, unmapped_perts="keep")
+
+
+def model_json(ctx, name: str):
+    """A model folder whose config.json (read by load_pretrained) or prediction.json (read by
+    predict.py through read_model_json) was cut short."""
+    folder = _model_copy(ctx, f"cut_{name}")
+    (folder / name).write_text((ctx.tmp / "model" / name).read_text()[:40])
+    if name == "config.json":
+        GEARS(ctx.data, device="cpu").load_pretrained(folder)
+    from gears.model_folder import read_model_json
+
+    read_model_json(folder, name)
+
+
+def yaml_file(ctx, text: str):
+    path = ctx.tmp / f"cfg_{abs(hash(text))}.yaml"
+    path.write_text(text)
+    load_config(path)
+
+
 def _model_copy(ctx, name: str) -> Path:
     folder = ctx.tmp / name
     if not folder.exists():
@@ -347,6 +418,29 @@ CASES = [
         GearsInputError,
         ("'train.epochs'",),
         r"key=value",
+    ),
+    Case(
+        "config file with two train: blocks",
+        lambda c: yaml_file(
+            c, "train:\n  lr: 0.002\nmodel:\n  hidden_size: 8\ntrain:\n  epochs: 3\n"
+        ),
+        GearsInputError,
+        (r"cfg_\d+\.yaml", r"key 'train' appears twice \(lines 1 and 5\)"),
+        r"merge them into one",
+    ),
+    Case(
+        "config file setting a key as dotted and in its section",
+        lambda c: yaml_file(c, "train.lr: 0.002\ntrain:\n  lr: 0.01\n"),
+        GearsInputError,
+        (r"cfg_\d+\.yaml", "'train.lr' twice"),
+        r"keep one of them",
+    ),
+    Case(
+        "override naming a sub-key twice",
+        lambda c: load_config(None, ["data.synthetic={n_genes: 50, n_genes: 60}"]),
+        GearsInputError,
+        ("'data.synthetic'", "'n_genes' appears twice"),
+        r"merge them into one",
     ),
     Case(
         "config file missing",
