@@ -25,6 +25,7 @@ from gears.model_folder import (
     CONFIG_FILE,
     MODEL_FILE,
     control_sample_rows,
+    read_model_json,
     write_prediction_inputs,
 )
 
@@ -529,7 +530,14 @@ class GEARS:
             )
         if not (path / CONFIG_FILE).exists():
             raise GearsInputError(f"{path} has no {CONFIG_FILE}: not a saved GEARS model folder")
-        meta = json.loads((path / CONFIG_FILE).read_text())
+        meta = read_model_json(path, CONFIG_FILE)
+        for key in ("gene_names", "pert_names"):
+            names = meta.get(key)
+            if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+                raise GearsInputError(
+                    f"{path / CONFIG_FILE} has no list of names under {key!r}: it was edited or "
+                    "damaged; restore it from the run folder, or save the model again"
+                )
         if meta["gene_names"] != self.gene_list:
             raise GearsInputError(
                 f"the model at {path} was trained on {len(meta['gene_names'])} genes that differ "

@@ -93,6 +93,20 @@ def read_control_cells(path: Path) -> ad.AnnData:
         ) from None
 
 
+def read_model_json(folder: str | Path, name: str) -> dict:
+    """A model folder's config.json or prediction.json as a dict; a missing, empty, truncated
+    or edited-invalid file is a GearsInputError naming it and what to do (not a JSONDecodeError).
+    predict.py and GEARS.load_pretrained read the folder through this."""
+    from gears.io import read_json
+
+    return read_json(
+        Path(folder) / name,
+        f"the model folder's {name}",
+        "it is written by GEARS.save_model (train.py writes <out_dir>/model/): restore it from "
+        "the run folder, or save the model again",
+    )
+
+
 class SavedVocabulary:
     """What GEARS needs of a PertData to load weights and predict, read from a model folder."""
 

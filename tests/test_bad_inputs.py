@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 import torch
-from helpers import tiny_gene2go, tiny_screen, write_gene2go
+from helpers import GENES, tiny_gene2go, tiny_screen, write_gene2go
 
 from gears import checkpoint as ckpt
 from gears.api import GEARS
@@ -320,6 +320,58 @@ CASES = [
         GearsInputError,
         (r"G03\+G03",),
         r"write a single perturbation",
+    ),
+    # ------------------------------------------------------------ files as found
+    Case(
+        "truncated .h5ad",
+        lambda c: _load_h5ad(c, _h5ad(c, "cut.h5ad", lambda b: b[: len(b) // 2])),
+        GearsInputError,
+        (r"cut\.h5ad", "truncated"),
+        r"Copy it again",
+    ),
+    Case(
+        "empty .h5ad",
+        lambda c: _load_h5ad(c, _h5ad(c, "empty.h5ad", lambda b: b"")),
+        GearsInputError,
+        (r"empty\.h5ad", r"empty \(0 bytes\)"),
+        r"Copy it again|adata\.write_h5ad",
+    ),
+    Case(
+        "CSV renamed .h5ad",
+        lambda c: _load_h5ad(c, _h5ad(c, "table.h5ad", lambda b: b"cell,G00,G01\nc1,1,2\n")),
+        GearsInputError,
+        (r"table\.h5ad", r"text starting 'cell,G00,G01'", "CSV"),
+        r"scanpy\.read_csv",
+    ),
+    Case(
+        "gene names matching no perturbed gene and no GO term",
+        ensembl_var_names,
+        GearsInputError,
+        ("none of the 25 measured gene names", "ENSG00000000000", "G00"),
+        r"gene symbols in adata\.var\['gene_name'\]",
+    ),
+    Case(
+        "synthetic screen larger than memory",
+        lambda c: PertData(c.tmp / "d", verbose=False).load(
+            "synthetic", synthetic_params={"n_control_cells": 10**20}
+        ),
+        GearsInputError,
+        ("100,000,000,000,000,005,000 cells", "GB"),
+        r"lower n_control_cells",
+    ),
+    Case(
+        "model folder's config.json cut short",
+        lambda c: model_json(c, "config.json"),
+        GearsInputError,
+        (r"cut_config\.json/config\.json", "not valid JSON"),
+        r"save the model again",
+    ),
+    Case(
+        "model folder's prediction.json cut short",
+        lambda c: model_json(c, "prediction.json"),
+        GearsInputError,
+        (r"cut_prediction\.json/prediction\.json", "not valid JSON"),
+        r"save the model again",
     ),
     # --------------------------------------------------------- genes and GO
     Case(
@@ -682,3 +734,47 @@ def test_crafted_pickle_split_file_runs_no_code(ctx, tmp_path):
         "G01+ctrl"
     ]
     ctx.data.prepare_split("simulation", seed=1)
+
+
+def _with_gene_ctrl(labels: dict[str, str]):
+    """tiny_screen with measured gene G05 named CTRL (a real human gene) and relabelled cells."""
+    adata = _relabel(labels)
+    adata.var_names = ["CTRL" if g == "G05" else g for g in adata.var_names]
+    return adata
+
+
+def test_a_gene_named_like_the_control_stays_a_gene_and_is_reported(ctx):
+    """Labels 'CTRL' and 'CTRL+G00' perturb the measured gene CTRL: they were read as the
+    control (6 conditions became 4, silently). A spelling listed in data.control_names is
+    the control, as asked; controls spelled like the gene are refused, saying why."""
+    go = write_gene2go(
+        ctx.tmp / "go_ctrl.tsv", tiny_gene2go(["CTRL" if g == "G05" else g for g in GENES])
+    )
+    adata = _with_gene_ctrl({"G03": "CTRL", "G03+G00": "CTRL+G00"})
+    p = PertData(ctx.tmp / "d", gene2go=go, verbose=False).new_data_process("x", adata, write=False)
+    assert p.conditions == ["ctrl", "CTRL+G00", "CTRL+ctrl", "G00+ctrl", "G01+ctrl", "G02+ctrl"]
+    assert p.report["control_like_genes"] == {"CTRL": 24}
+    assert "CTRL" in p.node_map_pert
+    asked = PertData(ctx.tmp / "d", gene2go=go, verbose=False).new_data_process(
+        "x", adata, control_names=("CTRL",), write=False
+    )
+    assert asked.conditions == ["ctrl", "G00+ctrl", "G01+ctrl", "G02+ctrl"]
+    assert "control_like_genes" not in asked.report
+    controls_spelled_ctrl = _with_gene_ctrl({"control": "CTRL"})
+    with pytest.raises(GearsInputError, match=r"no control cells.*spelled \['CTRL'\] were read as"):
+        PertData(ctx.tmp / "d", gene2go=go, verbose=False).new_data_process(
+            "x", controls_spelled_ctrl, write=False
+        )
+
+
+@pytest.mark.parametrize("store", ["memory", "mmap"])
+def test_labels_with_surrounding_spaces_are_stripped_everywhere(ctx, tmp_path, store):
+    """' G00 ' is condition G00+ctrl, and the spelling kept for predictions (prediction.json,
+    predict.py's obs) is 'G00', not ' G00 ', in memory and out of core."""
+    adata = _relabel({"G00": " G00 ", "control": "control "})
+    adata.write_h5ad(tmp_path / "spaced.h5ad")
+    p = PertData(tmp_path / "d", gene2go=ctx.go, verbose=False, store=store)
+    p.load(data_path=tmp_path / "spaced.h5ad")
+    assert "G00+ctrl" in p.conditions
+    assert p.condition_spelling["G00+ctrl"] == "G00"
+    assert p.condition_spelling["ctrl"] == "control"

@@ -85,6 +85,53 @@ def test_disk_full_on_checkpoint_write_is_a_clear_error_keeping_the_previous(tmp
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # temp file removed
 
 
+_DATA_WRITER = textwrap.dedent(
+    """
+    import resource, sys
+    from gears.data.pertdata import PertData
+    from gears.errors import GearsInputError
+    data_dir, h5ad, gene2go = sys.argv[1:4]
+    resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))  # every write fails: EFBIG, as a full disk
+    try:
+        if h5ad == "synthetic":
+            PertData(data_dir, verbose=False).load("synthetic", synthetic_params={"n_genes": 60})
+        else:
+            PertData(data_dir, gene2go=gene2go, verbose=False, store="mmap").load(data_path=h5ad)
+    except GearsInputError as e:
+        print(e)
+        sys.exit(2)
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("writer", ["synthetic GO file", "processed store"])
+def test_full_disk_in_data_dir_is_one_line_and_leaves_no_temp_file(tmp_path, writer):
+    """The synthetic screen's GO table and the out-of-core store, written into data_dir with
+    no room: one error line naming where, and nothing half-written left (a 0-byte temp file
+    and an OSError traceback before)."""
+    args = ["synthetic", ""]
+    if writer == "processed store":
+        go = write_gene2go(tmp_path / "go.tsv", tiny_gene2go())
+        tiny_screen().write_h5ad(tmp_path / "screen.h5ad")
+        args = [str(tmp_path / "screen.h5ad"), str(go)]
+    data = tmp_path / "data"
+    done = subprocess.run(
+        [sys.executable, "-c", _DATA_WRITER, str(data), *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    assert str(data) in done.stdout and "run again" in done.stdout
+    assert done.stdout.count("\n") == 1
+    left = [p for p in data.rglob("*") if p.is_file()]
+    assert not left, left
+    assert not [p for p in data.rglob("*tmp*")]
+
+
 # ------------------------------------------------------------------ non-finite losses (in process)
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> PertData:

@@ -209,6 +209,8 @@ def expected_problems(case: dict) -> list[str]:
     if values.size and values.max() > 30 and np.array_equal(values, np.round(values)):
         return ["raw counts"]
     perturbed = {g for c in canon for g in c.split("+") if g != "ctrl"}
+    if not set(genes) & set(IN_GO) and not set(genes) & perturbed:  # ids of another kind?
+        return ["measured gene names"]
     if perturbed - set(IN_GO) - set(genes):
         return ["neither measured genes nor in the GO"]
     kept = kept_conditions(canon, genes)

@@ -48,19 +48,36 @@ def detect_condition_key(columns: Iterable[str], condition_key: str | None = Non
     )
 
 
-def canonical_condition(name: str, sep: str = "+", control_names: Iterable[str] = ()) -> str:
+def control_like_genes(gene_names: Iterable[str], control_names: Iterable[str] = ()) -> set[str]:
+    """Measured genes spelled like a control label (the human gene CTRL, mouse Ctrl): a label
+    spelled exactly as one of them means that gene, not the control, unless `control_names`
+    (data.control_names) lists that exact spelling."""
+    given = {str(c) for c in control_names}
+    controls = CONTROL_SPELLINGS | {c.lower() for c in given}
+    return {str(g) for g in gene_names if str(g).lower() in controls and str(g) not in given}
+
+
+def canonical_condition(
+    name: str, sep: str = "+", control_names: Iterable[str] = (), genes: Iterable[str] = ()
+) -> str:
     """One condition name -> `ctrl`, `A+ctrl` or `A+B` (the two genes sorted).
 
     Accepts `ctrl`/`control`/`non-targeting` (and `control_names`), `A`, `A+ctrl`, `ctrl+A`, `A+B`,
-    with `sep` as the separator of the input. Raises GearsInputError for more than two genes or an
-    empty gene name.
+    with `sep` as the separator of the input; surrounding whitespace is dropped. `genes`: exact
+    spellings that name a gene although they look like a control (control_like_genes). Raises
+    GearsInputError for more than two genes or an empty gene name.
     """
     controls = CONTROL_SPELLINGS | {c.lower() for c in control_names}
+    named_genes = set(genes)
+
+    def is_control(part: str) -> bool:
+        return part.lower() in controls and part not in named_genes
+
     text = str(name).strip()
-    if text.lower() in controls:
+    if is_control(text):
         return CTRL
     parts = [p.strip() for p in text.split(sep)]
-    genes = [p for p in parts if p.lower() not in controls]
+    genes = [p for p in parts if not is_control(p)]
     if any(g == "" for g in genes) or not parts:
         raise GearsInputError(
             f"condition {name!r} has an empty gene name (separator {sep!r}); spell conditions "
@@ -85,14 +102,17 @@ def canonical_condition(name: str, sep: str = "+", control_names: Iterable[str] 
 
 
 def canonicalize_conditions(
-    values: Sequence[str] | pd.Series, sep: str = "+", control_names: Iterable[str] = ()
+    values: Sequence[str] | pd.Series,
+    sep: str = "+",
+    control_names: Iterable[str] = (),
+    genes: Iterable[str] = (),
 ) -> np.ndarray:
     """Vector `canonical_condition`: each distinct spelling is parsed once. -> [cells] str."""
     series = pd.Series(np.asarray(values, dtype=object)).astype(str)
     codes, uniques = pd.factorize(series)
+    genes = set(genes)
     mapped = np.array(
-        [canonical_condition(u, sep=sep, control_names=control_names) for u in uniques],
-        dtype=object,
+        [canonical_condition(u, sep, control_names, genes) for u in uniques], dtype=object
     )
     return mapped[codes]
 

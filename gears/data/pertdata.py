@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from gears.data.conditions import (
     CTRL,
     canonicalize_conditions,
     condition_genes,
+    control_like_genes,
     detect_condition_key,
     genes_of,
 )
@@ -26,6 +26,7 @@ from gears.data.loaders import EpochLoader, ExampleSet, ExpressionMatrix, eval_l
 from gears.data.stream import not_counts_error
 from gears.device import to_host
 from gears.errors import GearsInputError
+from gears.io import h5ad_error, read_h5ad
 
 PROCESSED_NAME = "perturb_processed.h5ad"
 N_DE = 20  # GEARS's "top-20 DE genes"
@@ -275,6 +276,8 @@ class PertData:
         # from: set_context_key codes these (a memory-mapped store keeps no other obs column).
         self._context_labels: tuple[str, np.ndarray] | None = None
         self._source: dict | None = None  # how a file was read (context views re-read it)
+        self._control_like: dict[str, int] = {}  # genes spelled like a control: cells
+        self._unmatched_genes: str | None = None  # see refuse_unmatched_genes
 
     def _log(self, msg: str) -> None:
         if self.verbose:
@@ -314,9 +317,13 @@ class PertData:
                 tag = "_".join(f"{k}{v}" for k, v in sorted(params.items())) or "default"
                 path = self.data_dir / "synthetic" / f"gene2go_{tag}.tsv.gz"
                 if not path.exists():  # rank 0 writes it; the others find it (no write at all)
-                    tmp = path.with_name(f".{os.getpid()}.{path.name}")  # keeps the .gz suffix
-                    write_gene2go_tsv(self.synthetic.gene2go, tmp)
-                    os.replace(tmp, path)  # whole or absent, even with two runs sharing data_dir
+                    from gears.checkpoint import atomic_write
+
+                    # Whole or absent, even with two runs sharing data_dir; a full disk is one
+                    # error line and leaves no temp file.
+                    atomic_write(
+                        path, lambda tmp: write_gene2go_tsv(self.synthetic.gene2go, tmp, True)
+                    )
                 self.gene2go_path = path
             return self.new_data_process(
                 "synthetic", self.synthetic.adata, write=False, context_key=context_key
@@ -368,7 +375,7 @@ class PertData:
                 context_key=context_key,
                 target_sum=target_sum,
             )
-        adata = ad.read_h5ad(path)
+        adata = read_h5ad(path)
         for column, wanted in (subset or {}).items():
             if column not in adata.obs:
                 raise GearsInputError(
@@ -438,9 +445,11 @@ class PertData:
         cell_context = context_labels(adata.obs, context_key)
         names = gene_names_of(adata)
         obs = pd.DataFrame(index=adata.obs_names.astype(str))
+        gene_spellings = control_like_genes(names, control_names)
         obs["condition"] = canonicalize_conditions(
-            adata.obs[condition_key].values, sep, control_names
+            adata.obs[condition_key].values, sep, control_names, gene_spellings
         )
+        self._report_control_like_genes(gene_spellings, obs["condition"].values)
         # Spellings as written, less surrounding blanks (' G000 ' is G000 for the model too).
         raw_names = adata.obs[condition_key].astype(str).str.strip().values
         self.condition_key = condition_key
@@ -460,6 +469,7 @@ class PertData:
             raise GearsInputError(
                 f"no control cells: none of obs[{condition_key!r}] is 'ctrl', 'control' or "
                 "'non-targeting' (data.control_names / control_names=(...) adds other spellings)"
+                + _gene_spelling_hint(gene_spellings)
             )
         if (conditions == CTRL).all():
             raise GearsInputError("every cell is a control: the data has no perturbed cells")
@@ -495,6 +505,7 @@ class PertData:
         self._context_labels = None if cell_context is None else (context_key, cell_context[keep])
         # Unfiltered, X may share memory with the caller's adata.X: normalise a copy then.
         X = self._normalize(X, normalize, copy=copy_x and bool(keep.all()), target_sum=target_sum)
+        self.refuse_unmatched_genes()
         if self.normalize_target_sum is not None:
             self.report["normalize"] = {
                 "method": normalize,
@@ -526,6 +537,24 @@ class PertData:
         )
         return self
 
+    def _report_control_like_genes(self, gene_spellings: set[str], conditions) -> None:
+        """Say so when a label spelled like a control was read as a measured gene of that name
+        (CTRL): the cells per such gene go to report['control_like_genes'] (kept by
+        _resolve_perturbations, which starts the report afresh)."""
+        self._control_like = {}
+        if gene_spellings:
+            counts = pd.Series(np.asarray(conditions, dtype=object)).value_counts()
+            for gene in sorted(gene_spellings):
+                n = int(sum(k for c, k in counts.items() if gene in condition_genes(str(c))))
+                if n:
+                    self._control_like[gene] = n
+        if self._control_like:
+            self._log(
+                f"labels spelled like a control but naming a measured gene were read as "
+                f"perturbations of that gene (cells: {self._control_like}); if they are control "
+                "cells, add that exact spelling to data.control_names"
+            )
+
     def _normalize(self, X, method: str, copy: bool, target_sum: float | None = None):
         """normalize='log1p': raw counts -> log1p(counts scaled to the median cell total, or to
         target_sum); the totals are kept as library_size."""
@@ -555,7 +584,9 @@ class PertData:
     def _translate_de_keys(self, uns: dict, adata: ad.AnnData, condition_key: str) -> dict:
         """GEARS's own files key DE results by `condition_name`; re-key them by condition."""
         if "condition_name" in adata.obs:
-            canon = canonicalize_conditions(adata.obs[condition_key].values)
+            canon = canonicalize_conditions(
+                adata.obs[condition_key].values, genes=control_like_genes(gene_names_of(adata))
+            )
             name_to_cond = dict(zip(adata.obs["condition_name"].astype(str), canon))
         else:
             name_to_cond = {}
@@ -618,6 +649,18 @@ class PertData:
         candidates = sorted(measured | set(perturbed))
         renames, missing = graphs.resolve_symbols(candidates, gene2go.keys(), aliases)
         missing = set(missing)
+        self._unmatched_genes = None
+        if measured and not (set(measured) - missing) and not set(measured) & set(perturbed):
+            # Gene names of another kind (Ensembl ids beside symbol labels, say): training would
+            # run with no GO edge on any measured gene and no perturbed gene measured. Raised
+            # by refuse_unmatched_genes once the value checks have had their say.
+            self._unmatched_genes = (
+                f"none of the {len(measured)} measured gene names (e.g. {sorted(measured)[:3]}) "
+                f"is a perturbed gene (e.g. {perturbed[:3]}) or in the GO source {source}: the "
+                "gene names are likely another kind of identifier. Put gene symbols in "
+                "adata.var['gene_name'] (or var_names), or pass a matching data.gene2go / "
+                "data.gene_aliases"
+            )
         unknown = sorted(g for g in perturbed if g in missing and g not in measured)
         if unknown and self.unmapped_perts == "error":
             more = f" (and {len(unknown) - 20} more)" if len(unknown) > 20 else ""
@@ -645,6 +688,8 @@ class PertData:
             "dropped_conditions": dropped,
             "perturbed_genes_without_go": sorted(set(perturbed) & missing),
         }
+        if self._control_like:
+            self.report["control_like_genes"] = dict(self._control_like)
         if self.report["renamed_genes"]:
             self._log(
                 f"renamed {len(self.report['renamed_genes'])} perturbed gene(s) to match the "
@@ -656,6 +701,12 @@ class PertData:
                 f"(GEARS cannot place them in the GO graph): {dropped[:10]}"
                 f"{' ...' if len(dropped) > 10 else ''}"
             )
+
+    def refuse_unmatched_genes(self) -> None:
+        """Raise the error _resolve_perturbations found: measured genes that match neither a
+        perturbed gene nor the GO source (the data would train, wrongly, without a word)."""
+        if self._unmatched_genes:
+            raise GearsInputError(self._unmatched_genes)
 
     def _gene2go_source(self) -> Path:
         if self.gene2go_path is not None:
@@ -704,9 +755,13 @@ class PertData:
             params["split_dict"] = split_dict
         key = splits.split_key(self.conditions, **params)
         cache = self.data_dir / (self.dataset_name or "data") / "splits" / f"{split}_{key}.json"
+        result = None
         if cache.exists():
-            result = splits.Split.from_dict(json.loads(cache.read_text()))
-        else:
+            try:
+                result = splits.Split.from_dict(json.loads(cache.read_text()))
+            except (OSError, ValueError, KeyError, TypeError):
+                result = None  # a damaged cache file: make the split again and rewrite it
+        if result is None:
             params.pop("split_type")
             params.pop("split_dict", None)
             result = splits.make_split(self.conditions, split, split_dict=split_dict, **params)
@@ -1141,7 +1196,7 @@ class PertData:
             control_names=tuple(control_names),
             normalize=normalize,
         )
-        backed = ad.read_h5ad(path, backed="r")  # obs and var only; X stays on disk
+        backed = read_h5ad(path, backed="r")  # obs and var only; X stays on disk
         try:
             chosen = detect_condition_key(backed.obs.columns, condition_key)
             if condition_key is None:
@@ -1174,6 +1229,11 @@ class PertData:
                     target_sum=target_sum,
                 )
                 opened = store_mod.open_store(root, key)
+                if opened is None and (root / key).exists():
+                    raise GearsInputError(
+                        f"the processed store {root / key} exists but cannot be read (damaged, "
+                        "or written by another version); delete that folder to rebuild it"
+                    )
                 if opened is None:
                     raise GearsInputError(
                         f"the processed store {root / key} was not written; "
@@ -1182,7 +1242,8 @@ class PertData:
             else:
                 self._log(f"reusing the processed store {opened.path}")
             raw = backed.obs[chosen].astype(str).str.strip()
-            canon = canonicalize_conditions(raw.values, sep, control_names)
+            gene_spellings = control_like_genes(gene_names_of(backed), control_names)
+            canon = canonicalize_conditions(raw.values, sep, control_names, gene_spellings)
             self.condition_key = chosen
             self.condition_spelling = raw.groupby(canon, sort=False).first().to_dict()
         finally:
@@ -1248,13 +1309,16 @@ class PertData:
                 raise GearsInputError(f"subset: adata.obs has no column {column!r}")
             wanted = wanted if isinstance(wanted, (list, tuple)) else [wanted]
             keep &= backed.obs[column].astype(str).isin([str(w) for w in wanted]).values
-        conditions = canonicalize_conditions(raw.values, sep, control_names)
+        gene_spellings = control_like_genes(names, control_names)
+        conditions = canonicalize_conditions(raw.values, sep, control_names, gene_spellings)
         conditions = np.where(keep, conditions, "")
+        self._report_control_like_genes(gene_spellings, conditions[keep])
         present = sorted(set(conditions[keep]))
         if CTRL not in present:
             raise GearsInputError(
                 f"no control cells: none of obs[{condition_key!r}] is 'ctrl', 'control' or "
                 "'non-targeting' (pass control_names=(...) for other spellings)"
+                + _gene_spelling_hint(gene_spellings)
             )
         if present == [CTRL]:
             raise GearsInputError("every cell is a control: the data has no perturbed cells")
@@ -1286,13 +1350,16 @@ class PertData:
                 indptr = f["X"]["indptr"][:]
                 nnz = int(np.diff(indptr)[codes >= 0].sum())
         layout = store_mod.choose_layout(n_kept, len(names), nnz)
-        writer = store_mod.StoreWriter(
-            root,
-            key,
-            len(names),
-            layout,
-            index_dtype=np.int32 if (nnz or 0) < 2**31 - 1 else np.int64,
-        )
+        try:
+            writer = store_mod.StoreWriter(
+                root,
+                key,
+                len(names),
+                layout,
+                index_dtype=np.int32 if (nnz or 0) < 2**31 - 1 else np.int64,
+            )
+        except OSError as e:
+            raise _store_write_error(root, e) from None
         try:
             # Raw counts: what check_not_raw_counts reads in memory (the subset's cells, the
             # dropped conditions' included), or normalised as _normalize does.
@@ -1332,6 +1399,7 @@ class PertData:
                 transform=transform,
             )
             check_not_raw_counts(probe.summary())
+            self.refuse_unmatched_genes()
             if stats.max_value > 50:
                 self._log(
                     f"warning: max expression {stats.max_value:.1f} looks like raw "
@@ -1371,8 +1439,12 @@ class PertData:
                     "n_input_cells": int(backed.n_obs),
                 },
             )
-        except BaseException:
-            writer.abort()
+        except BaseException as e:
+            writer.abort()  # the temp folder goes: nothing half-written is left in the store
+            if isinstance(e, OSError) and e.errno is not None:  # a write (h5py reads: no errno)
+                raise _store_write_error(root, e) from None
+            if isinstance(e, (OSError, RuntimeError, KeyError)):  # h5py on a damaged file
+                raise h5ad_error(path, e) from None
             raise
         self._log(f"wrote the processed store {root / key} ({layout}, {n_kept} cells)")
 
@@ -1437,6 +1509,26 @@ def _safe_name(name: str) -> str:
     import re
 
     return re.sub(r"[^A-Za-z0-9._-]+", "_", str(name)) or "context"
+
+
+def _gene_spelling_hint(gene_spellings: set[str]) -> str:
+    """The 'no control cells' error's note when a control-like spelling was read as a gene."""
+    if not gene_spellings:
+        return ""
+    return (
+        f"; labels spelled {sorted(gene_spellings)} were read as the measured gene(s) of that "
+        "name: if they are your control cells, add that spelling to data.control_names"
+    )
+
+
+def _store_write_error(root: Path, error: OSError) -> GearsInputError:
+    """A failed write into the processed store (disk full, quota, permissions): the temp folder
+    is already removed; the message says where and what to do."""
+    return GearsInputError(
+        f"could not write the processed store in {root} ({error.strerror or error}); nothing "
+        "was kept. Free space there, or point data.store_dir (or data.data_dir) to a larger "
+        "writable disk, and run again"
+    )
 
 
 def torch_from(array: np.ndarray):

@@ -21,6 +21,7 @@ import io
 import json
 import os
 import shutil
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -169,7 +170,10 @@ class StoreWriter:
     def abort(self) -> None:
         for f in ("dense", "data", "indices"):
             if hasattr(self, f):
-                getattr(self, f).fh.close()
+                try:
+                    getattr(self, f).fh.close()
+                except OSError:  # closing flushes: on a full disk that fails too
+                    pass
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
@@ -216,13 +220,20 @@ def open_store(root: str | Path, key: str) -> Store | None:
 def save_graph(store_path: Path, name: str, arrays: dict[str, np.ndarray]) -> None:
     """A derived table (e.g. a co-expression graph) cached beside the store, written atomically."""
     tmp = store_path / f"{name}.tmp-{os.getpid()}.npz"
-    np.savez(tmp, **arrays)
-    os.replace(tmp, store_path / f"{name}.npz")
+    try:
+        np.savez(tmp, **arrays)
+        os.replace(tmp, store_path / f"{name}.npz")
+    finally:
+        tmp.unlink(missing_ok=True)  # a full disk leaves no partial file behind
 
 
 def load_graph(store_path: Path, name: str) -> dict[str, np.ndarray] | None:
+    """A cached table, or None when absent or unreadable (then it is rebuilt and rewritten)."""
     path = store_path / f"{name}.npz"
     if not path.exists():
         return None
-    with np.load(path, allow_pickle=False) as z:
-        return {k: z[k] for k in z.files}
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            return {k: z[k] for k in z.files}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile):
+        return None

@@ -49,6 +49,7 @@ Model (everything vectorised with numpy, deterministic from `seed` via `np.rando
 from __future__ import annotations
 
 import gzip
+import os
 from dataclasses import dataclass
 from math import comb
 from pathlib import Path
@@ -149,6 +150,30 @@ def _validate(
     _check_int("seed", seed, 0)
     if mode not in MODES:
         raise GearsInputError(f"mode must be one of {MODES}, got {mode!r}")
+    _check_size(n_genes, n_control_cells + (n_single + n_double) * cells_per_condition)
+
+
+def _physical_memory() -> int | None:
+    """Bytes of RAM of this machine, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def _check_size(n_genes: int, n_cells: int) -> None:
+    """Refuse a screen that cannot fit: the simulation holds a few dense float64 [cells, genes]
+    arrays and the [genes, genes] network at once (about 5 and 3 copies), so `n_cells=1e20`
+    is one error line instead of an overflow or a 7-TB allocation."""
+    need = 8 * (5 * n_cells * n_genes + 3 * n_genes * n_genes)  # Python ints: no overflow
+    memory = _physical_memory()
+    if need > min(memory or 2**63, 2**63):
+        have = f"this machine's {memory / 1e9:,.0f} GB" if memory else "any machine's memory"
+        raise GearsInputError(
+            f"the synthetic screen would simulate {n_cells:,} cells x {n_genes:,} genes, "
+            f"about {need / 1e9:,.0f} GB while simulating, more than {have}; lower "
+            "n_control_cells, cells_per_condition, n_single, n_double or n_genes"
+        )
 
 
 def _gene_names(n_genes: int) -> np.ndarray:
@@ -555,8 +580,11 @@ def _go_annotations(rng, genes, module, grn, n_modules) -> dict[str, set[str]]:
     return {str(genes[g]): set(t) for g, t in zip(np.unique(gene_idx), splits)}
 
 
-def write_gene2go_tsv(gene2go: dict[str, set[str]], path: str | Path) -> Path:
-    """Write `gene2go` as `SYMBOL<TAB>GO:1,GO:2` lines (gzip when `path` ends in .gz).
+def write_gene2go_tsv(
+    gene2go: dict[str, set[str]], path: str | Path, compress: bool | None = None
+) -> Path:
+    """Write `gene2go` as `SYMBOL<TAB>GO:1,GO:2` lines (gzip when `path` ends in .gz, or as
+    `compress` says: a temp file's name does not end in .gz).
 
     The first line is the header `gene_symbol<TAB>go_ids`, as in the shared gene2go_human.tsv.gz,
     so one reader serves both. Genes and terms are sorted and the gzip header carries no time
@@ -567,7 +595,7 @@ def write_gene2go_tsv(gene2go: dict[str, set[str]], path: str | Path) -> Path:
     lines = ["gene_symbol\tgo_ids"]
     lines += [f"{gene}\t{','.join(sorted(terms))}" for gene, terms in sorted(gene2go.items())]
     data = ("\n".join(lines) + "\n").encode()
-    if path.suffix == ".gz":
+    if path.suffix == ".gz" if compress is None else compress:
         with open(path, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz:
             gz.write(data)
     else:

@@ -1,0 +1,94 @@
+"""Reading user files (.h5ad, JSON) with one clear error naming the file and what was found."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from gears.errors import GearsInputError
+
+HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+
+
+def describe_file(path: Path) -> str:
+    """What a file that failed to parse holds, in words: empty, text (its first characters),
+    a truncated HDF5 file, or other bytes."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(64)
+    except OSError as e:
+        return f"it cannot be read ({e.strerror or e})"
+    if size == 0:
+        return "it is empty (0 bytes)"
+    if head.startswith(HDF5_SIGNATURE):
+        return f"it is an HDF5 file of {size:,} bytes"
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError:
+        return f"it holds {size:,} bytes starting {head[:8]!r}, not an HDF5 file"
+    first = text.splitlines()[0][:40] if text.strip() else repr(text[:20])
+    return f"it is text starting {first!r} ({size:,} bytes), not an HDF5 file"
+
+
+def read_h5ad(path: str | Path, backed: str | None = None):
+    """anndata.read_h5ad, with a GearsInputError naming the file and what it holds when it is
+    missing, empty, truncated or not an .h5ad (a CSV renamed, say) instead of h5py's OSError."""
+    import anndata as ad
+
+    path = Path(path)
+    if not path.exists():
+        raise GearsInputError(f"no .h5ad file at {path}; check the path")
+    if path.is_dir():
+        raise GearsInputError(f"{path} is a folder, not an .h5ad file; give the file's path")
+    try:
+        return ad.read_h5ad(path, backed=backed)
+    except (GearsInputError, MemoryError, KeyboardInterrupt):
+        raise
+    except Exception as e:
+        raise h5ad_error(path, e) from None
+
+
+def h5ad_error(path: Path, error: BaseException) -> GearsInputError:
+    """The clear error for an .h5ad that anndata or h5py could not read."""
+    found = describe_file(path)
+    why = " ".join(str(error).split())[:160] or type(error).__name__
+    if "truncated" in why:
+        found += ", shorter than its header says (truncated: an interrupted copy or download?)"
+    elif found.startswith("it is text"):
+        found += " (a CSV or TSV table renamed .h5ad?)"
+    return GearsInputError(
+        f"{path} is not a readable .h5ad file: {found} ({type(error).__name__}: {why}). "
+        "Copy it again, or write it with adata.write_h5ad (a table: read it with "
+        "scanpy.read_csv first)"
+    )
+
+
+def read_json(path: str | Path, what: str, fix: str, expect: type = dict) -> Any:
+    """A JSON file's content, or a GearsInputError naming the file, `what` it is, the problem
+    (missing, empty, not UTF-8, invalid JSON at line:column, not a `expect`) and `fix`."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise GearsInputError(f"{what} {path} does not exist; {fix}") from None
+    except OSError as e:
+        raise GearsInputError(f"{what} {path} cannot be read ({e.strerror or e}); {fix}") from None
+    try:
+        value = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise GearsInputError(
+            f"{what} {path} is not UTF-8 text (starts {raw[:8]!r}); {fix}"
+        ) from None
+    except json.JSONDecodeError as e:
+        found = "it is empty" if not raw.strip() else f"{e.msg} at line {e.lineno} column {e.colno}"
+        raise GearsInputError(f"{what} {path} is not valid JSON ({found}); {fix}") from None
+    except RecursionError:
+        found = "nested too deeply"
+        raise GearsInputError(f"{what} {path} is not valid JSON ({found}); {fix}") from None
+    if not isinstance(value, expect):
+        raise GearsInputError(
+            f"{what} {path} holds a JSON {type(value).__name__}, not a {expect.__name__}; {fix}"
+        )
+    return value
