@@ -208,11 +208,14 @@ class GEARS:
         resume: bool = False,
         progress: bool = True,
         control_mean: str = "all",
+        run_config: dict | None = None,
         **train_kwargs,
     ):
         """Train with the shared engine; keeps the model chosen by train_cfg.select (the final one
         by default; `val_mse_de` is GEARS's best_model). control_mean: how validation forms
-        predicted means (config.CHOICES['eval.control_mean'])."""
+        predicted means (config.CHOICES['eval.control_mean']). run_config: the whole run
+        configuration as a dict (Config.to_dict()), recorded in checkpoints so that a resume
+        with other settings is refused by name."""
         if self.model is None:
             raise GearsInputError("call model_initialize() before train()")
         cfg = train_cfg or TrainConfig(
@@ -235,6 +238,7 @@ class GEARS:
             wandb_run=self.wandb,
             seed=self.seed,
             evaluator=self.evaluator,
+            run_config=run_config,
         )
         self.trainer.resume(asked=resume or cfg.resume)
         self.history = self.trainer.fit(loaders, progress=progress)

@@ -3,8 +3,11 @@
 Every file is written to a temp file in the same folder, fsynced, renamed over the target and the
 folder fsynced: a crash, SIGKILL or full disk at any moment leaves the old file or the new one.
 Loading uses `torch.load(weights_only=True)`: a checkpoint holds only tensors and plain Python
-values, so no code in a shared file ever runs. A checkpoint carries FORMAT_VERSION, the config
-that made it and a hash of the data vocabulary (gene names + perturbation names).
+values, so no code in a shared file ever runs, and the archive's CRCs are checked (a flipped bit
+is refused, not loaded as a wrong weight). A checkpoint carries FORMAT_VERSION, the config that
+made it, a hash of the data vocabulary (gene names + perturbation names) and the run's
+fingerprint (run_fingerprint: every setting, the data, split and graphs), which a resume must
+match (check_resume: RESUME_MAY_CHANGE lists the keys that may differ).
 """
 
 from __future__ import annotations
@@ -16,10 +19,12 @@ import os
 import pickle
 import re
 import signal
+import zipfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from gears.errors import GearsInputError
@@ -107,7 +112,9 @@ def atomic_save(obj: Any, path: str | Path) -> Path:
             torch.save(obj, f)
             f.flush()
 
-    return atomic_write(path, write)
+    written = atomic_write(path, write)
+    mark_readable(written)
+    return written
 
 
 def vocab_hash(gene_names: Iterable[str], pert_names: Iterable[str]) -> str:
@@ -142,6 +149,10 @@ def load(path: str | Path, map_location="cpu") -> dict:
         raise _unreadable(path, e) from None
     except Exception as e:
         raise _unreadable(path, e) from None
+    if zipfile.is_zipfile(path) and not is_readable(path):
+        # torch.load does not check the archive's CRCs: a flipped bit in a tensor loads as a
+        # silently wrong weight. The CRC pass catches it.
+        raise _unreadable(path, ValueError("a CRC check of its contents failed: it is damaged"))
     if not isinstance(state, dict):
         raise GearsInputError(
             f"{path} holds a {type(state).__name__}, not a GEARS checkpoint (a dict with "
@@ -152,8 +163,8 @@ def load(path: str | Path, map_location="cpu") -> dict:
 
 def _unreadable(path: Path, e: Exception) -> GearsInputError:
     return GearsInputError(
-        f"checkpoint {path} is unreadable ({type(e).__name__}: {str(e)[:200]}); it is truncated "
-        "or not a GEARS checkpoint. Delete it to resume from the previous one."
+        f"checkpoint {path} is unreadable ({type(e).__name__}: {str(e)[:200]}); it is truncated, "
+        "damaged or not a GEARS checkpoint. Move it away to resume from the previous one."
     )
 
 
@@ -185,7 +196,8 @@ def check_compatible(state: dict, path: str | Path, expected: dict[str, Any]) ->
         )
     raise GearsInputError(
         f"checkpoint {path} does not match this run: {'; '.join(diffs)}.{hint} Use the settings "
-        "it was written with, or a different out_dir (or train.resume=false) to start afresh"
+        "it was written with; to start afresh instead, choose another out_dir (for a run: or "
+        "set replace_out_dir=true, which moves the old outputs aside)"
     )
 
 
@@ -208,6 +220,10 @@ def checkpoint_path(folder: str | Path, epoch: int, step_in_epoch: int = 0) -> P
     return Path(folder) / f"epoch_{epoch:04d}{tail}.pt"
 
 
+class NoReadableCheckpoint(GearsInputError):
+    """Checkpoint files exist, and none of them loads: there is nothing to resume from."""
+
+
 def load_latest(folder: str | Path, map_location="cpu", log=print) -> dict | None:
     """The newest checkpoint that loads; an unreadable newer one is reported and skipped."""
     for path in reversed(list_checkpoints(folder)):
@@ -221,11 +237,245 @@ def load_latest(folder: str | Path, map_location="cpu", log=print) -> dict | Non
     return None
 
 
+def load_for_resume(folder: str | Path, map_location="cpu", log=print) -> dict | None:
+    """load_latest for a resume: None when the folder holds no checkpoint file at all, and
+    NoReadableCheckpoint when it holds some and none loads (that is not "no checkpoint": a
+    resume starting from scratch there would silently drop the run)."""
+    state = load_latest(folder, map_location, log)
+    found = list_checkpoints(folder)
+    if state is None and found:
+        names = [p.name for p in reversed(found)]
+        raise NoReadableCheckpoint(
+            f"none of the {len(found)} checkpoint file(s) in {folder} can be read "
+            f"({', '.join(names[:5])}{' ...' if len(names) > 5 else ''}: truncated, damaged "
+            "or not GEARS checkpoints), so there is nothing to resume from. Move them away to "
+            "keep them, or start the run afresh with replace_out_dir=true (which moves this "
+            "run's outputs aside)"
+        )
+    return state
+
+
+# Checkpoint files known to be whole, by (path, inode, size, mtime): the file atomic_save just
+# wrote, and others once checked (a zip CRC pass, no unpickling).
+_VERIFIED: set[tuple[str, int, int, int]] = set()
+
+
+def _file_key(path: Path) -> tuple[str, int, int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (str(path), st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def mark_readable(path: str | Path) -> None:
+    """Record that `path` (just written whole by atomic_save) loads."""
+    key = _file_key(Path(path))
+    if key is not None:
+        _VERIFIED.add(key)
+
+
+def is_readable(path: str | Path) -> bool:
+    """Whether a checkpoint file is whole: torch.save writes a zip archive, and a truncated or
+    damaged one fails its central directory or a member's CRC (read once, no unpickling)."""
+    path = Path(path)
+    key = _file_key(path)
+    if key is None:
+        return False
+    if key in _VERIFIED:
+        return True
+    try:
+        with zipfile.ZipFile(path) as archive:
+            whole = archive.testzip() is None
+    except (OSError, zipfile.BadZipFile, EOFError, ValueError, RuntimeError):
+        whole = False
+    if whole:
+        _VERIFIED.add(key)
+    return whole
+
+
 def prune(folder: str | Path, keep: int = 2) -> None:
-    """Keep the newest `keep` checkpoints (the previous one survives a corrupt newest) and remove
-    temp files left by a process killed while writing (only rank 0 writes this folder)."""
-    for path in list_checkpoints(folder)[:-keep]:
-        path.unlink(missing_ok=True)
+    """Keep the newest `keep` readable checkpoints (the previous one survives a corrupt newest)
+    and remove temp files left by a process killed while writing (only rank 0 writes this
+    folder). Only readable checkpoints count towards `keep`: an unreadable newer file never
+    costs a good one, and is left for the user to inspect (load_latest skips it with a
+    warning); files older than the kept ones are removed."""
+    kept = 0
+    for path in reversed(list_checkpoints(folder)):
+        if kept >= keep:
+            path.unlink(missing_ok=True)  # older than `keep` readable ones: never needed
+        elif is_readable(path):
+            kept += 1
     for stale in Path(folder).glob(".epoch_*.pt.tmp*"):
         if not stale.name.endswith(f".tmp{os.getpid()}"):
             stale.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------------- the run's fingerprint
+# Config keys a resume may change: where files are, how the run is launched, watched or
+# scheduled on the machine, and how fast it computes. None of them changes which batches are
+# drawn or what a step computes (a path key's content is compared through the data fingerprint
+# instead; another thread count or device changes only the last bits, and a resume at another
+# thread count says so). A key ending in "." stands for its whole section. train.epochs may
+# rise (see check_resume). Every other key, and the data, must match the checkpoint's.
+RESUME_MAY_CHANGE = (
+    "out_dir",
+    "replace_out_dir",
+    "device",
+    "data.dataset",
+    "data.data_dir",
+    "data.gene2go",
+    "data.gene_aliases",
+    "data.mirror_url",
+    "data.store",
+    "data.store_dir",
+    "data.chunk_cells",
+    "split.split_dict_path",
+    "train.resume",
+    "train.checkpoint_every",
+    "train.log_every",
+    "train.plot_conditions",
+    "train.num_workers",
+    "train.threads",
+    "eval.cell_eval",
+    "distributed.backend",
+    "distributed.gpu_ids",
+    "distributed.master_addr",
+    "distributed.master_port",
+    "distributed.timeout_s",
+    "distributed.data_wait_s",
+    "distributed.find_unused_parameters",
+    "distributed.static_graph",
+    "distributed.gradient_as_bucket_view",
+    "wandb.",
+)
+# What the data parts of a fingerprint mean, for the refusal message.
+DATA_PARTS = {
+    "data:shape": "the data's cells x genes",
+    "data:genes": "the gene names and order",
+    "data:conditions": "the condition names",
+    "data:cell_conditions": "each cell's condition",
+    "data:expression": "the expression of 256 cells spread over the matrix",
+    "data:perturbable_genes": "the perturbation vocabulary (GO-mapped genes)",
+    "split:sets": "the train/val/test conditions",
+    "split:seed": "the split seed (it also pairs control cells)",
+    "graphs": "the GO and co-expression graph edges",
+    "world_size": "the number of processes (the effective batch)",
+}
+SAMPLED_CELLS = 256
+
+
+def may_change_on_resume(key: str) -> bool:
+    """Whether config key `key` may differ between a checkpoint and the run resuming it."""
+    return any(key == k or (k.endswith(".") and key.startswith(k)) for k in RESUME_MAY_CHANGE)
+
+
+def _digest(*parts) -> str:
+    h = hashlib.sha256()
+    for part in parts:
+        if isinstance(part, np.ndarray):
+            h.update(str((part.dtype.str, part.shape)).encode())
+            h.update(np.ascontiguousarray(part).tobytes())
+        else:
+            h.update(repr(part).encode())
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+def flat_config(config: dict, prefix: str = "") -> dict[str, Any]:
+    """{'train': {'lr': 1e-3}} -> {'train.lr': 1e-3}; free-form dict keys (data.synthetic,
+    data.subset) stay whole values."""
+    out = {}
+    for key, value in config.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and dotted not in ("data.synthetic", "data.subset"):
+            out.update(flat_config(value, f"{dotted}."))
+        else:
+            out[dotted] = value
+    return out
+
+
+def run_fingerprint(
+    config: dict[str, Any], pert_data, graph_buffers: dict[str, torch.Tensor], world_size: int
+) -> dict[str, Any]:
+    """What a resume must share with the checkpoint: every config key (dotted, flat) and a
+    fingerprint of the data the run trains on, its split and its graphs.
+
+    config: the run's settings, flat or nested ({'seed': 1, 'train': {...}}). pert_data: the
+    split PertData. graph_buffers: the network's graph buffers by name (on any device).
+    Costs one read of SAMPLED_CELLS cells; small values are kept as they are, tables as
+    16-hex hashes."""
+    from gears.device import to_host
+
+    X = pert_data.expr.numpy()  # the host copy (dense array or CSR), never a device read
+    n_cells = X.shape[0]
+    sample = np.unique(np.linspace(0, max(n_cells - 1, 0), SAMPLED_CELLS).astype(np.int64))
+    rows = X[sample]
+    rows = rows.toarray() if hasattr(rows, "toarray") else np.asarray(rows)
+    sets = pert_data.set2conditions or {}
+    graphs = {k: to_host(v).numpy() for k, v in sorted(graph_buffers.items()) if not v.is_meta}
+    return {
+        **flat_config(config),
+        "world_size": int(world_size),
+        "data:shape": [int(n_cells), int(X.shape[1])],
+        "data:genes": _digest(list(map(str, pert_data.gene_names))),
+        "data:conditions": _digest(list(map(str, pert_data.conditions))),
+        "data:cell_conditions": _digest(np.asarray(pert_data.cell_condition, np.int64)),
+        "data:expression": _digest(np.asarray(rows, np.float32)),
+        "data:perturbable_genes": _digest(list(map(str, pert_data.pert_names))),
+        "split:sets": _digest({k: sorted(map(str, v)) for k, v in sorted(sets.items())}),
+        "split:seed": int(getattr(pert_data, "seed", 0)),
+        # (omitted on the meta device, whose tensors hold no values: then not compared)
+        **(
+            {"graphs": _digest(*[part for item in graphs.items() for part in item])}
+            if len(graphs) == len(graph_buffers)
+            else {}
+        ),
+    }
+
+
+def check_resume(state: dict, path: str | Path, now: dict[str, Any]) -> None:
+    """Refuse to resume from checkpoint `state` (at `path`) unless it continues the same run:
+    every part of `now` (run_fingerprint) but RESUME_MAY_CHANGE equal to the checkpoint's,
+    train.epochs no fewer than the epochs done (and, under train.schedule=cosine, unchanged:
+    the schedule's length is the number of epochs). Keys one side lacks are not compared (a
+    checkpoint written through the Python API records no data.* keys)."""
+    recorded = state.get("fingerprint")
+    if recorded is None:
+        raise GearsInputError(
+            f"checkpoint {path} records no fingerprint of its run's data and settings (it was "
+            "written by an earlier version of this code), so resuming from it cannot be checked "
+            "to continue the same run. Start afresh: another out_dir, or replace_out_dir=true "
+            "to move this run's outputs aside"
+        )
+    diffs = []
+    for key in sorted(set(recorded) & set(now)):
+        if key == "train.epochs" or may_change_on_resume(key) or recorded[key] == now[key]:
+            continue
+        what = f" ({DATA_PARTS[key]})" if key in DATA_PARTS else ""
+        diffs.append(f"{key}{what}: checkpoint {recorded[key]!r} vs now {now[key]!r}")
+    done, epochs = int(state.get("epoch", 0)), now.get("train.epochs")
+    if epochs is not None:
+        mid_epoch = bool(state.get("partial"))
+        if epochs < done or (mid_epoch and epochs <= done):
+            at = f"{done} epochs and part of the next" if mid_epoch else f"{done} epoch(s)"
+            diffs.append(
+                f"train.epochs: {epochs} is fewer than the checkpoint has trained ({at}); "
+                f"ask for at least {done + mid_epoch}"
+            )
+        elif (
+            epochs != recorded.get("train.epochs", epochs) and now.get("train.schedule") == "cosine"
+        ):
+            diffs.append(
+                f"train.epochs: checkpoint {recorded['train.epochs']} vs now {epochs}, and under "
+                "train.schedule=cosine every epoch's learning rate depends on it (train.epochs "
+                "may rise under step or constant)"
+            )
+    if diffs:
+        raise GearsInputError(
+            f"cannot resume from {path}: it belongs to another run; these differ: "
+            f"{'; '.join(diffs)}. Resume with the data and settings it was written with (its "
+            "run folder's config.yaml; docs/reproducibility.md lists the keys a resume may "
+            "change), or start a new run: another out_dir, or replace_out_dir=true to move this "
+            "run's outputs aside"
+        )

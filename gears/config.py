@@ -195,6 +195,10 @@ class WandbConfig:
 class Config:
     seed: int = 1
     out_dir: str = "runs/default"
+    # An out_dir holding another run's outputs is refused; true moves them aside, to
+    # <out_dir>.replaced-<date>-<time>/, and starts afresh (nothing is deleted). Ignored with
+    # train.resume=true, which continues the run in out_dir.
+    replace_out_dir: bool = False
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     data: DataConfig = field(default_factory=DataConfig)
     split: SplitConfig = field(default_factory=SplitConfig)
@@ -208,7 +212,11 @@ class Config:
         return asdict(self)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+        """Write config.yaml atomically (a crash leaves the old file or the new one)."""
+        from gears.checkpoint import atomic_write
+
+        text = yaml.safe_dump(self.to_dict(), sort_keys=False)
+        atomic_write(path, lambda tmp: tmp.write_text(text))
 
 
 INT64 = 2**63

@@ -31,6 +31,7 @@ from gears.distributed import (
 from gears.errors import GearsInputError, NonFiniteLossError, TrainingStopped
 from gears.evaluate import Evaluator
 from gears.faults import FaultPlan
+from gears.model import graph_buffer_names
 from gears.model.batch import declared_covariates, predicted_expression, reads_x
 from gears.model.losses import gears_loss
 from gears.model.rows import (  # noqa: F401 (CELL_ROWS, RepeatRows: the layouts, re-exported)
@@ -130,14 +131,6 @@ def selection_score(rule: str, val: dict, loss: float, epoch: int) -> float:
     if rule not in CHOICES["train.select"]:
         raise GearsInputError(f"unknown train.select {rule!r}: {CHOICES['train.select']}")
     return val.get(rule.removeprefix("val_"), loss)
-
-
-def graph_buffer_names(net: torch.nn.Module) -> list[str]:
-    """The network's fixed graph buffers (identical on every rank, never to be broadcast)."""
-    names = getattr(net, "graph_buffer_names", None)
-    if callable(names):
-        return list(names())
-    return [n for n, _ in net.named_buffers() if "edge" in n.rsplit(".", 1)[-1]]
 
 
 class NonFiniteWatch:
@@ -363,8 +356,12 @@ class Trainer:
         seed: int = 1,
         control_mean: str = "all",
         evaluator: Evaluator | None = None,
+        run_config: dict | None = None,
     ):
         self.cfg, self.model_cfg, self.env = train_cfg, model_cfg, env
+        # The whole Config as a dict: the run's fingerprint (gears.training_state.fingerprint).
+        self.run_config = run_config
+        self._fingerprint = None
         self.pert_data = pert_data
         self.out_dir = out_dir
         self.wandb = wandb_run
@@ -373,7 +370,7 @@ class Trainer:
         set_tf32(self.device, train_cfg.tf32)
         self.amp_dtype = autocast_dtype(train_cfg.precision, self.device)
         self.net = module_to_device(model, self.device)
-        dist_cfg = dist_cfg or DistributedConfig()
+        dist_cfg = self.dist_cfg = dist_cfg or DistributedConfig()
         check_impl(model_cfg, train_cfg, dist_cfg)
         check_network(self.net, train_cfg, dist_cfg)
         self.model = wrap_for_training(self.net, env, dist_cfg, train_cfg.compile)

@@ -47,10 +47,19 @@ def history_figure(history):
 
 def plot_history(history, save_file: str | Path) -> Path:
     """Training loss and validation mse_de per epoch, written to save_file (PNG)."""
-    fig = history_figure(history)
-    fig.savefig(save_file, dpi=110)
-    plt.close(fig)
+    _save(history_figure(history), save_file)
     return Path(save_file)
+
+
+def _save(fig, save_file: str | Path) -> None:
+    """savefig through a temp file and a rename (a full disk leaves no partial PNG, and an
+    error line instead of a traceback), then close the figure."""
+    from gears.checkpoint import atomic_write
+
+    try:
+        atomic_write(save_file, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    finally:
+        plt.close(fig)
 
 
 def plot_perturbation(
@@ -98,7 +107,6 @@ def plot_perturbation(
     ax.legend(handles=handles, loc="best", fontsize="small")
     fig.tight_layout()
     if save_file is not None:
-        fig.savefig(save_file, dpi=110)
-        plt.close(fig)
+        _save(fig, save_file)
         return Path(save_file)
     return fig

@@ -16,6 +16,7 @@ from gears import checkpoint as ckpt
 from gears.config import Config, load_config
 from gears.distributed import DistEnv, build_in_stages
 from gears.errors import GearsInputError, TrainingStopped
+from gears.run_folder import claim_run_folder, prior_outputs
 from gears.runtime import auto_threads, set_threads, tune_allocator
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -186,10 +187,29 @@ def train_fit(evaluator, pert_data, pred_mean: np.ndarray) -> dict:
 def run(cfg: Config, env: DistEnv, pert_data=None) -> dict | None:
     """Train on cfg's data, evaluate on test with baselines, write the run directory (rank 0).
 
-    pert_data: this rank's data when the launcher prepared it before joining the group. After
-    the test predictions are gathered every rank leaves the process group (`release`); the other
-    ranks return None and rank 0 scores, runs baselines, plots and writes with no collective
-    pending, however long that takes."""
+    The run owns out_dir while it lives (gears.run_folder: a lock, and never another run's
+    outputs overwritten). pert_data: this rank's data when the launcher prepared it before
+    joining the group. After the test predictions are gathered every rank leaves the process
+    group (`release`); the other ranks return None and rank 0 scores, runs baselines, plots and
+    writes with no collective pending, however long that takes."""
+    folder = claim_run_folder(cfg, env)
+    try:
+        return _run(cfg, env, pert_data)
+    except ckpt.CheckpointWriteError as e:
+        # A full disk after the first checkpoint: this run continues from its checkpoints
+        # (a plain rerun would be refused, the folder now holding them).
+        if "train.resume=true" in str(e) or not prior_outputs(Path(cfg.out_dir)):
+            raise
+        error = ckpt.CheckpointWriteError(
+            f"{e} with train.resume=true (this run's checkpoints are kept)"
+        )
+        error.reported = e.reported
+        raise error from None
+    finally:
+        folder.release()
+
+
+def _run(cfg: Config, env: DistEnv, pert_data=None) -> dict | None:
     from gears.api import GEARS
     from gears.baselines import baseline_predictions
     from gears.engine import seed_everything
@@ -219,9 +239,12 @@ def run(cfg: Config, env: DistEnv, pert_data=None) -> dict | None:
         require_scorable(cfg, network_class(cfg.model.impl), one_model_per_context(cfg))
     seed_everything(cfg.seed)
     out = Path(cfg.out_dir)
+    # A resume keeps the checkpoint's config.yaml until the checkpoint has accepted this one.
+    keep_config = cfg.train.resume and (out / "config.yaml").exists()
     if env.is_main:
         (out / "plots").mkdir(parents=True, exist_ok=True)
-        cfg.save(out / "config.yaml")
+        if not keep_config:
+            cfg.save(out / "config.yaml")
     if pert_data is None:
         pert_data = load_pert_data(cfg, env)
     # After the data: scanpy's numba DE resets torch's pool. 0: this rank's share of the cores.
@@ -233,10 +256,15 @@ def run(cfg: Config, env: DistEnv, pert_data=None) -> dict | None:
     model.initialize(cfg.model, cfg.data)
     t_train, cpu_train = time.perf_counter(), time.process_time()
     history = model.train(
-        train_cfg=cfg.train, dist_cfg=cfg.distributed, control_mean=cfg.eval.control_mean
+        train_cfg=cfg.train,
+        dist_cfg=cfg.distributed,
+        control_mean=cfg.eval.control_mean,
+        run_config=cfg.to_dict(),
     )
     train_s = time.perf_counter() - t_train
     train_cpu_s = time.process_time() - cpu_train  # every thread: spinning waits show here
+    if env.is_main and keep_config:
+        cfg.save(out / "config.yaml")  # the resumed run's settings (train.epochs may have risen)
 
     t_eval = time.perf_counter()
     evaluator = model.evaluator  # its protocol: eval.control_mean, set by train()

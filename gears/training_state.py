@@ -1,6 +1,7 @@
 """A Trainer's state as a checkpoint and back: what a checkpoint holds, what a resuming run
-must share with it (`checkpoint_meta`), rank 0's write, and the read that every rank resumes
-from (rank 0 reads, then broadcasts). Files are written by gears/checkpoint.py."""
+must share with it (`checkpoint_meta`, and the run's `fingerprint`), rank 0's write, and the
+read that every rank resumes from (rank 0 reads, then broadcasts). Files are written by
+gears/checkpoint.py."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from gears import checkpoint as ckpt
 from gears.device import to_device, to_host
 from gears.distributed import all_gather_objects, all_reduce_max, barrier, broadcast_object
 from gears.errors import GearsInputError
+from gears.model import graph_buffer_names
 
 
 @dataclass
@@ -130,6 +132,23 @@ def checkpoint_meta(trainer) -> dict:
     }
 
 
+def fingerprint(trainer) -> dict:
+    """The run's identity (gears.checkpoint.run_fingerprint: settings, data, split, graphs,
+    world size), computed once per trainer; a resume must match it (checkpoint.check_resume)."""
+    if trainer._fingerprint is None:
+        config = dict(trainer.run_config or {"seed": trainer.seed})
+        config["train"] = dataclasses.asdict(trainer.cfg)
+        config["model"] = dataclasses.asdict(trainer.model_cfg)
+        config.setdefault("distributed", {"sync_batchnorm": trainer.dist_cfg.sync_batchnorm})
+        config.setdefault("eval", {"control_mean": trainer.evaluator.control_mean})
+        buffers = dict(trainer.net.named_buffers())
+        graphs = {n: buffers[n] for n in graph_buffer_names(trainer.net) if n in buffers}
+        trainer._fingerprint = ckpt.run_fingerprint(
+            config, trainer.pert_data, graphs, trainer.env.world_size
+        )
+    return trainer._fingerprint
+
+
 def training_state(trainer) -> dict:
     """The whole training state as tensors and plain values (weights_only-loadable)."""
     history = {
@@ -138,6 +157,7 @@ def training_state(trainer) -> dict:
     return {
         "format": ckpt.FORMAT_VERSION,
         "meta": checkpoint_meta(trainer),
+        "fingerprint": fingerprint(trainer),
         "config": {
             "train": dataclasses.asdict(trainer.cfg),
             "model": dataclasses.asdict(trainer.model_cfg),
@@ -163,16 +183,25 @@ def training_state(trainer) -> dict:
 
 def write_checkpoint(trainer) -> None:
     """Rank 0 writes the state into out_dir/checkpoints (the newest two kept), between two
-    barriers: every rank has finished the epoch before, and waits for the file after."""
+    barriers: every rank has finished the epoch before, and waits for the file after. A write
+    that fails on rank 0 (a full disk) stops every rank with rank 0's one line."""
     folder = os.path.join(trainer.out_dir, "checkpoints")
     barrier(trainer.env)
+    failed = None
     if trainer.env.is_main:
         partial = trainer.partial
         done = partial["batch"] // trainer.cfg.grad_accum_steps if partial else 0
         path = ckpt.checkpoint_path(folder, trainer.epoch, done)
-        ckpt.atomic_save(training_state(trainer), path)
-        ckpt.prune(folder, keep=2)
-    barrier(trainer.env)
+        try:
+            ckpt.atomic_save(training_state(trainer), path)
+            ckpt.prune(folder, keep=2)
+        except ckpt.CheckpointWriteError as e:
+            failed = str(e)
+    failed = broadcast_object(trainer.env, failed)  # (also the barrier after the write)
+    if failed is not None:
+        error = ckpt.CheckpointWriteError(failed)
+        error.reported = not trainer.env.is_main  # one line, from rank 0
+        raise error
 
 
 def read_checkpoint(trainer, log) -> dict | None:
@@ -186,7 +215,7 @@ def read_checkpoint(trainer, log) -> dict | None:
         try:
             # On the CPU whatever device wrote it: load_state_dict moves weights and optimizer
             # state to the parameters' device; RNG states must stay CPU tensors.
-            state = ckpt.load_latest(folder, map_location="cpu", log=log)
+            state = ckpt.load_for_resume(folder, map_location="cpu", log=log)
             if state is not None:
                 mid_epoch = bool(state.get("partial"))
                 expected = {
@@ -195,6 +224,7 @@ def read_checkpoint(trainer, log) -> dict | None:
                     if mid_epoch or k == "vocab_hash" or k.startswith("model.")
                 }
                 ckpt.check_compatible(state, state["path"], expected)
+                ckpt.check_resume(state, state["path"], fingerprint(trainer))
             outcome = (state, None)
         except GearsInputError as e:
             outcome = (None, str(e))

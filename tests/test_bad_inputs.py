@@ -55,6 +55,16 @@ def ctx(tmp_path_factory) -> SimpleNamespace:
     stopped.stop_requested = True
     with pytest.raises(TrainingStopped):
         stopped.fit(loaders, progress=False)
+    # Two finished epochs (a resume asking for fewer must be refused).
+    two = Trainer(
+        model.model,
+        data,
+        TrainConfig(epochs=2, batch_size=8, limit_batches=2),
+        model.model_config(),
+        DistEnv(),
+        out_dir=tmp / "two_epochs",
+    )
+    two.fit(loaders, progress=False)
     fewer_genes = tiny_screen()[:, :-1].copy()  # G24 gone from the measured genes
     go_without_g03 = tiny_gene2go()
     del go_without_g03["G03"]
@@ -66,6 +76,7 @@ def ctx(tmp_path_factory) -> SimpleNamespace:
         pert_data=pert_data,
         other_genes=pert_data(fewer_genes),
         other_perts=pert_data(gene2go=write_gene2go(tmp / "go2.tsv", go_without_g03)),
+        other_values=pert_data(tiny_screen(seed=1)),  # same names, other expression
     )
 
 
@@ -568,6 +579,55 @@ CASES = [
         GearsInputError,
         (r"epoch_0000_step_000001\.pt", "train.batch_size: checkpoint 8 vs now 16"),
         r"Use the settings",
+    ),
+    Case(
+        "resume with another learning rate",
+        lambda c: _resume_same(c, lr=0.5),
+        GearsInputError,
+        (r"epoch_0001\.pt", "train.lr: checkpoint 0.001 vs now 0.5"),
+        r"Resume with the data and settings it was written with.*replace_out_dir=true",
+    ),
+    Case(
+        "resume with another optimizer",
+        lambda c: _resume_same(c, optimizer="sgd"),
+        GearsInputError,
+        (r"epoch_0001\.pt", "train.optimizer: checkpoint 'adam' vs now 'sgd'"),
+        r"Resume with the data and settings",
+    ),
+    Case(
+        "resume with another schedule",
+        lambda c: _resume_same(c, schedule="constant"),
+        GearsInputError,
+        (r"epoch_0001\.pt", "train.schedule: checkpoint 'cosine' vs now 'constant'"),
+        r"Resume with the data and settings",
+    ),
+    Case(
+        "resume with other data under the same names",
+        lambda c: _resume_same(c, data=c.other_values),
+        GearsInputError,
+        (r"epoch_0001\.pt", r"data:expression \(the expression of 256 cells"),
+        r"Resume with the data and settings",
+    ),
+    Case(
+        "resume asking for fewer epochs than done",
+        lambda c: _resume_same(c, run="two_epochs", epochs=1, schedule="cosine"),
+        GearsInputError,
+        (r"two_epochs/checkpoints/epoch_0002\.pt", "train.epochs: 1 is fewer", r"2 epoch\(s\)"),
+        r"ask for at least 2",
+    ),
+    Case(
+        "resume when every checkpoint is unreadable",
+        lambda c: _resume_same(c, run=_checkpoints_copy(c, "all_cut", _truncate)),
+        GearsInputError,
+        (r"none of the 1 checkpoint file\(s\)", r"all_cut/checkpoints", r"epoch_0001\.pt"),
+        r"replace_out_dir=true",
+    ),
+    Case(
+        "resume from a checkpoint without a fingerprint",
+        lambda c: _resume_same(c, run=_checkpoints_copy(c, "unsigned", _drop_fingerprint)),
+        GearsInputError,
+        (r"unsigned/checkpoints/epoch_0001\.pt", "records no fingerprint"),
+        r"another out_dir, or replace_out_dir=true",
     ),
     Case(
         "model file that is not a checkpoint",

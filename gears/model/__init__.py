@@ -1,5 +1,6 @@
 """The network classes by model.impl: the built-in fast (network.py) and reference
-(reference.py), or a fork's class named `path/to/file.py:Class` or `module:Class`."""
+(reference.py), or a fork's class named `path/to/file.py:Class` or `module:Class`; and which of a
+network's buffers are its fixed graphs."""
 
 from __future__ import annotations
 
@@ -16,6 +17,14 @@ from gears.model.network import GEARSNet
 from gears.model.reference import GEARSReference
 
 NETWORKS = {"fast": GEARSNet, "reference": GEARSReference}
+
+
+def graph_buffer_names(net: nn.Module) -> list[str]:
+    """The network's fixed graph buffers (identical on every rank, never to be broadcast)."""
+    names = getattr(net, "graph_buffer_names", None)
+    if callable(names):
+        return list(names())
+    return [n for n, _ in net.named_buffers() if "edge" in n.rsplit(".", 1)[-1]]
 
 
 def is_class_spec(impl: str) -> bool:
