@@ -395,8 +395,10 @@ class Trainer:
         self.stale_epochs = 0
         self.skipped_steps = 0  # optimizer steps GradScaler skipped (fp16 overflow), all epochs
         self.vocab_hash = ckpt.vocab_hash(pert_data.gene_names, pert_data.pert_names)
-        self.stop_requested = False  # set by SIGTERM; acted on at the next step boundary
-        self.stop_agreed = False  # some rank got SIGTERM (all-reduced at the last check)
+        # The signal (SIGTERM or SIGINT) that asked to stop, 0 for none; acted on at the next
+        # step boundary, where the ranks agree on the largest (all-reduced).
+        self.stop_requested = 0
+        self.stop_agreed = 0
         self.partial = None  # position within an epoch stopped by SIGTERM (resume continues)
         self.resumed = False  # training continues from a checkpoint
         # The stop / non-finite flags are read on the host every `check_every` optimizer steps:
@@ -524,14 +526,14 @@ class Trainer:
         self._skips_host, self._skips = int(value), None
 
     def check_step(self, epoch: int, watch: NonFiniteWatch) -> bool:
-        """At a step boundary, agree over ranks on the stop flag (SIGTERM on any rank) and raise
+        """At a step boundary, agree over ranks on the stop flag (the signal any rank got) and raise
         NonFiniteLossError if any rank saw a NaN/inf loss since the last check."""
         first_bad, recorded = watch.take()
         flags = torch.stack(
             [torch.tensor(float(self.stop_requested)), to_host(first_bad >= 0).float()]
         )
         stop, bad = to_host(all_reduce_max(self.env, to_device(flags, self.device))).tolist()
-        self.stop_agreed = bool(stop)
+        self.stop_agreed = int(stop)
         if bad:
             raise non_finite_error(self.env, self.pert_data.conditions, epoch, first_bad, recorded)
         return bool(stop)
@@ -540,19 +542,24 @@ class Trainer:
     def fit(self, loaders: dict, progress: bool = True) -> History:
         """Train from self.epoch to cfg.epochs: per epoch train_epoch, validation, model
         selection and early stopping (select_epoch), logging, the checkpoint policy
-        (checkpoint_due). A SIGTERM (Slurm's preemption / time-limit signal) stops every rank at
-        the next step boundary; rank 0 writes a checkpoint and TrainingStopped is raised (the
-        entry points exit with status 0)."""
+        (checkpoint_due). A SIGTERM (Slurm's preemption / time-limit signal) or SIGINT (Ctrl-C)
+        stops every rank at the next step boundary; rank 0 writes a checkpoint and
+        TrainingStopped is raised (the entry points exit with status 0 after SIGTERM, 130 after
+        SIGINT)."""
         train = loaders["train_loader"]
         check_trainable(train, self.cfg.batch_size, self.env.world_size)
 
-        def on_sigterm(signum, frame):
-            self.stop_requested = True
+        def on_signal(signum, frame):
+            if signum == signal.SIGINT and self.stop_requested == signal.SIGINT:
+                raise KeyboardInterrupt  # a second Ctrl-C: stop now (e.g. a hung collective)
+            self.stop_requested = int(signum)
 
-        try:
-            previous = signal.signal(signal.SIGTERM, on_sigterm)
-        except ValueError:  # not the main thread (e.g. a notebook worker): no handler
-            previous = None
+        previous = {}
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            try:
+                previous[signum] = signal.signal(signum, on_signal)
+            except ValueError:  # not the main thread (e.g. a notebook worker): no handler
+                pass
         try:
             announce(self.env, self.cfg, len(train))
             for epoch in range(self.epoch, self.cfg.epochs):
@@ -562,8 +569,8 @@ class Trainer:
                 self.net.load_state_dict(self.best_state)
             return self.history
         finally:
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
 
     def run_epoch(self, train, epoch: int, has_val: bool, progress: bool) -> bool:
         """One epoch and what follows it; True when training stops early."""
@@ -611,13 +618,15 @@ class Trainer:
 
     def checkpoint_due(self, stopping: bool) -> bool:
         """The checkpoint policy after an epoch: every train.checkpoint_every epochs, the last
-        one, and whenever training stops (early stopping or a SIGTERM)."""
+        one, and whenever training stops (early stopping, a SIGTERM or SIGINT)."""
         every = self.epoch % self.cfg.checkpoint_every == 0
-        return every or self.epoch == self.cfg.epochs or stopping or self.stop_agreed
+        return every or self.epoch == self.cfg.epochs or stopping or bool(self.stop_agreed)
 
     def stop_on_signal(self) -> None:
         """Every rank: rank 0 writes the checkpoint (mid-epoch position included), then all
         leave through TrainingStopped."""
+        signum = signal.SIGINT if self.stop_agreed == signal.SIGINT else signal.SIGTERM
+        name = signal.Signals(signum).name
         where = None
         if self.out_dir is not None:
             if self.partial is not None:
@@ -631,10 +640,10 @@ class Trainer:
                 else "no out_dir, nothing saved"
             )
             print(
-                f"SIGTERM received: stopped at {pos or f'the end of epoch {self.epoch}'}; {saved}",
+                f"{name} received: stopped at {pos or f'the end of epoch {self.epoch}'}; {saved}",
                 flush=True,
             )
-        raise TrainingStopped(f"stopped by SIGTERM at step {self.step}")
+        raise TrainingStopped(f"stopped by {name} at step {self.step}", signum)
 
     def unwrap(self) -> None:
         """Drop the DDP wrapper (after training), so that it is freed while the process group

@@ -16,5 +16,14 @@ class NonFiniteLossError(GearsInputError):
 
 
 class TrainingStopped(Exception):
-    """Training stopped on SIGTERM after rank 0 wrote a checkpoint; the entry points exit with
-    status 0 and `train.resume=true` continues from that checkpoint."""
+    """Training stopped on SIGTERM or SIGINT after rank 0 wrote a checkpoint; the entry points
+    exit with status 0 (SIGTERM) or 130 (SIGINT, as a shell reports Ctrl-C) and
+    `train.resume=true` continues from that checkpoint."""
+
+    def __init__(self, message: str = "", signum: int = 15):
+        super().__init__(message)
+        self.signum = signum
+
+    @property
+    def exit_status(self) -> int:
+        return 130 if self.signum == 2 else 0

@@ -403,12 +403,21 @@ def cell_eval_test_scores(cfg: Config, pert_data, model, conditions, baseline_me
 
 def guarded(main):
     """Run `main`; bad input prints one clear line (no traceback) and exits with status 2; a
-    SIGTERM stop (checkpoint written, message printed by rank 0) exits with status 0."""
+    stop on SIGTERM or SIGINT during training (checkpoint written, message printed by rank 0)
+    exits with status 0 or 130; a Ctrl-C outside training exits 130 with one line."""
     try:
         return main()
-    except TrainingStopped:
-        sys.exit(0)
+    except TrainingStopped as e:
+        sys.exit(e.exit_status)
     except GearsInputError as e:
         if not e.reported:
             print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except KeyboardInterrupt:
+        print(
+            "interrupted (SIGINT) outside a training epoch: no checkpoint written by this "
+            "interruption; train.resume=true continues from the last one, if any",
+            file=sys.stderr,
+            flush=True,
+        )
+        sys.exit(130)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from gears.distributed import (
     slurm_to_env,
     visible_gpus,
 )
-from gears.errors import GearsInputError
+from gears.errors import GearsInputError, TrainingStopped
 from gears.runtime import auto_threads, set_threads, share_cores, wait_passively
 
 
@@ -127,12 +128,24 @@ def spawn(cfg: Config, nproc: int | None = None) -> dict | None:
         check_port_free(addr, port)
     else:
         port = find_free_port(addr)
+    # Ctrl-C reaches every process of the terminal's group: the workers stop at a step
+    # boundary and write a checkpoint (exit 130); this process waits for them meanwhile
+    # instead of raising KeyboardInterrupt out of the join.
+    try:
+        previous = signal.signal(signal.SIGINT, lambda signum, frame: None)
+    except ValueError:  # not the main thread: no handler
+        previous = None
     try:
         mp.spawn(_spawned, args=(nproc, cfg, addr, port), nprocs=nproc, join=True)
     except mp.ProcessExitedException as e:
         if e.exit_code == 2:  # bad input, which the worker has printed: no traceback here
             raise GearsInputError(f"process {e.error_index} stopped on the error above") from None
+        if e.exit_code == 130:  # stopped by SIGINT, as rank 0 has printed
+            raise TrainingStopped("stopped by SIGINT", signal.SIGINT) from None
         raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
     metrics = Path(cfg.out_dir) / "metrics.json"
     return json.loads(metrics.read_text()) if metrics.exists() else None
 

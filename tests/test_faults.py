@@ -7,15 +7,24 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import tiny_gene2go, tiny_screen, write_gene2go
+from helpers import (
+    TINY_CLI,
+    metrics_without_timing,
+    run_train_cli,
+    tiny_gene2go,
+    tiny_screen,
+    write_gene2go,
+)
 
 from gears import checkpoint as ckpt
 from gears.api import GEARS
@@ -130,6 +139,75 @@ def test_full_disk_in_data_dir_is_one_line_and_leaves_no_temp_file(tmp_path, wri
     left = [p for p in data.rglob("*") if p.is_file()]
     assert not left, left
     assert not [p for p in data.rglob("*tmp*")]
+
+
+# ------------------------------------------------------------------------------------- SIGINT
+@pytest.mark.slow
+def test_sigint_mid_epoch_writes_a_checkpoint_exits_130_and_resumes_exactly(tmp_path):
+    """Ctrl-C is handled as SIGTERM is: the process stops at the next step, writes a mid-epoch
+    checkpoint and exits 130 with one line (a KeyboardInterrupt traceback and no checkpoint
+    before); train.resume=true then ends where the uninterrupted run ends."""
+    data = tmp_path / "data"
+    whole = run_train_cli(tmp_path / "whole", data)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    run = tmp_path / "run"
+    stopped = run_train_cli(run, data, env={"GEARS_FAULT_KILL": "0:step:13:INT"})
+    assert stopped.returncode == 130, stopped.stderr[-2000:]
+    assert "Traceback" not in stopped.stderr and "KeyboardInterrupt" not in stopped.stderr
+    assert "SIGINT received: stopped at epoch 2, step 13; wrote " in stopped.stdout
+    names = [p.name for p in ckpt.list_checkpoints(run / "checkpoints")]
+    assert names == ["epoch_0001.pt", "epoch_0001_step_000003.pt"]
+    resumed = run_train_cli(run, data, "train.resume=true")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert metrics_without_timing(run) == metrics_without_timing(tmp_path / "whole")
+
+
+@pytest.mark.slow
+def test_ctrl_c_to_spawned_processes_stops_them_with_one_checkpoint(tmp_path):
+    """Ctrl-C in a terminal signals the launcher and its workers together: the workers stop at
+    a step boundary, rank 0 writes the checkpoint, every process exits 130 without a
+    traceback (the launcher used to raise KeyboardInterrupt out of its join)."""
+    run = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        str(ROOT / "train_distributed.py"),
+        "--nproc",
+        "2",
+        f"out_dir={run}",
+        f"data.data_dir={tmp_path / 'data'}",
+        "wandb.mode=disabled",
+        "device=cpu",
+        f"data.synthetic={TINY_CLI}",
+        "model.hidden_size=16",
+        "train.epochs=1000",
+        "distributed.timeout_s=60",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launcher = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        start_new_session=True,  # its own process group, as a terminal's foreground job
+    )
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not ckpt.list_checkpoints(run / "checkpoints"):
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.stderr.read()
+            time.sleep(0.2)
+        os.killpg(launcher.pid, signal.SIGINT)
+        out, err = launcher.communicate(timeout=TIMEOUT_S)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+    assert launcher.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert out.count("SIGINT received: stopped at ") == 1, out[-2000:]
+    state = ckpt.load(ckpt.list_checkpoints(run / "checkpoints")[-1])
+    assert state["epoch"] >= 1 and state["world_size"] == 2
 
 
 # ------------------------------------------------------------------ non-finite losses (in process)
