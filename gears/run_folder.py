@@ -44,7 +44,10 @@ class RunFolder:
             del _HELD[str(self.path)]
 
     def __del__(self):
-        self.release()
+        try:
+            self.release()
+        except Exception:  # at interpreter shutdown modules may already be gone
+            pass
 
 
 def prior_outputs(folder: Path) -> list[str]:
@@ -76,7 +79,12 @@ def _lock(folder: Path, wait_s: float) -> RunFolder:
     if held is not None:  # this process's own earlier run, which has returned
         held.release()
     path = folder / LOCK_NAME
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise GearsInputError(
+            f"cannot write in out_dir {folder} ({e.strerror or e}); choose a writable out_dir"
+        ) from None
     deadline = time.monotonic() + wait_s
     while True:
         try:
@@ -102,8 +110,11 @@ def _lock(folder: Path, wait_s: float) -> RunFolder:
             )
             return RunFolder(folder)
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {stamp}\n".encode(), 0)
+    try:  # who holds it, for the refusal a second run prints (the lock works without it)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {stamp}\n".encode(), 0)
+    except OSError:
+        pass
     folder_lock = RunFolder(folder, fd)
     _HELD[str(folder)] = folder_lock
     return folder_lock
@@ -117,10 +128,17 @@ def _move_aside(folder: Path, log) -> Path:
     while target.exists():
         target = folder.with_name(f"{folder.name}.replaced-{stamp}-{n}")
         n += 1
-    target.mkdir()
-    for entry in sorted(folder.iterdir()):
-        if entry.name != LOCK_NAME:
-            shutil.move(str(entry), str(target / entry.name))
+    try:
+        target.mkdir()
+        for entry in sorted(folder.iterdir()):
+            if entry.name != LOCK_NAME:
+                shutil.move(str(entry), str(target / entry.name))
+    except OSError as e:
+        raise GearsInputError(
+            f"replace_out_dir=true: could not move the previous run's outputs from {folder} to "
+            f"{target} ({e.strerror or e}); what was moved is there, the rest is in place. Make "
+            "the folder's parent writable, or choose another out_dir"
+        ) from None
     log(f"replace_out_dir=true: moved the previous run's outputs from {folder} to {target}")
     return target
 
