@@ -44,8 +44,14 @@ def read_h5ad(path: str | Path, backed: str | None = None):
         raise GearsInputError(f"{path} is a folder, not an .h5ad file; give the file's path")
     try:
         return ad.read_h5ad(path, backed=backed)
-    except (GearsInputError, MemoryError, KeyboardInterrupt):
+    except (GearsInputError, KeyboardInterrupt):
         raise
+    except MemoryError:
+        raise GearsInputError(
+            f"reading {path} ({path.stat().st_size:,} bytes) ran out of memory (or its header "
+            "names impossible sizes: a damaged file); process it out of core with "
+            "data.store=mmap, or use a machine with more memory"
+        ) from None
     except Exception as e:
         raise h5ad_error(path, e) from None
 

@@ -725,3 +725,212 @@ def test_custom_split_file_is_used_exactly_or_refused(
     assert set(sets["train"]) | set(sets["val"]) | set(sets["test"]) <= known
     assert set(split_data.split.held_out) == known - set().union(*map(set, sets.values()))
     assert any(c != "ctrl" for c in sets["train"])
+
+
+# ---------------------------------------------------------------- damaged files of every kind
+# A valid file, then one kind of damage a disk, a copy or an editor does: cut short (a killed
+# copy or download), emptied, a flipped bit, bytes overwritten, inserted or zeroed.
+DAMAGE = ["truncate", "truncate", "empty", "flip", "flip", "overwrite", "insert", "zeros"]
+
+
+@st.composite
+def damaged(draw, data: bytes) -> tuple[str, bytes]:
+    """(kind, bytes): `data` with one kind of damage (never unchanged)."""
+    kind = draw(st.sampled_from(DAMAGE))
+    n = len(data)
+    at = draw(st.integers(0, n - 1))
+    if kind == "empty":
+        return kind, b""
+    if kind == "truncate":
+        return kind, data[:at]
+    if kind == "flip":
+        out = bytearray(data)
+        out[at] ^= 1 << draw(st.integers(0, 7))
+        return kind, bytes(out)
+    junk = draw(st.binary(min_size=1, max_size=24))
+    if kind == "insert":
+        return kind, data[:at] + junk + data[at:]
+    if kind == "zeros":
+        junk = bytes(len(junk))
+    out = data[:at] + junk + data[at + len(junk) :]
+    assume(out != data)
+    return kind, out
+
+
+def _corrupted_copy(tmp_path_factory, name: str, data: bytes) -> Path:
+    path = tmp_path_factory.mktemp("damaged") / name
+    path.write_bytes(data)
+    return path
+
+
+@pytest.fixture(scope="module")
+def valid_files(tmp_path_factory, go_file) -> dict:
+    """One valid file of each kind a run reads: a screen (.h5ad), a checkpoint, a saved model
+    folder, a GO table, a config file; with what they hold when whole."""
+    import torch
+    from helpers import tiny_gene2go, tiny_screen
+
+    from gears import checkpoint as ckpt
+    from gears.api import GEARS
+    from gears.engine import seed_everything
+
+    folder = tmp_path_factory.mktemp("valid")
+    tiny_screen().write_h5ad(folder / "screen.h5ad")
+    go = write_gene2go(folder / "go.tsv", tiny_gene2go())
+    pert_data = PertData(folder / "data", gene2go=go, verbose=False)
+    pert_data.load(data_path=folder / "screen.h5ad").prepare_split("simulation", seed=1)
+    seed_everything(0)
+    model = GEARS(pert_data, device="cpu").model_initialize(hidden_size=8)
+    model.save_model(folder / "model")
+    state = {
+        "format": ckpt.FORMAT_VERSION,
+        "epoch": 3,
+        "model": {k: v.clone() for k, v in model.model.state_dict().items()},
+        "history": {"train_loss": [0.5, 0.25], "val": [{"mse": 0.1}]},
+        "rng": torch.get_rng_state(),
+    }
+    ckpt.atomic_save(state, folder / "epoch_0003.pt")
+    genes = [[g] for g in pert_data.pert_names[:3]]
+    return {
+        "h5ad": (folder / "screen.h5ad").read_bytes(),
+        "conditions": pert_data.conditions,
+        "go": go.read_bytes(),
+        "checkpoint": (folder / "epoch_0003.pt").read_bytes(),
+        "state": state,
+        "model": folder / "model",
+        "pert_data": pert_data,
+        "genes": genes,
+        "predictions": model.predict(genes),
+        "config": (ROOT_DIR / "configs" / "default.yaml").read_bytes(),
+    }
+
+
+ROOT_DIR = Path(__file__).resolve().parents[1]
+
+
+def _same_state(a, b) -> bool:
+    import torch
+
+    if isinstance(a, dict):
+        return (
+            isinstance(b, dict) and a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
+        )
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same_state, a, b))
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    return a == b
+
+
+@scaled(0.6)
+@given(data=st.data(), store=st.sampled_from(["memory", "mmap"]))
+def test_damaged_h5ad_is_read_or_refused(data, store, valid_files, go_file, tmp_path_factory):
+    """A damaged .h5ad is refused with a GearsInputError (naming the file when it cannot be read
+    at all; a truncated one always is: its HDF5 superblock records the length), or read into a
+    screen that passes every check (a flipped bit in an expression value cannot be seen: HDF5
+    keeps no checksums)."""
+    kind, raw = data.draw(damaged(valid_files["h5ad"]))
+    path = _corrupted_copy(tmp_path_factory, "screen.h5ad", raw)
+    go = write_gene2go(path.parent / "go.tsv", __import__("helpers").tiny_gene2go())
+    note(f"{kind}: {len(raw)} of {len(valid_files['h5ad'])} bytes")
+    p = PertData(path.parent / "data", gene2go=go, verbose=False, store=store)
+    result, error = _outcome(lambda: p.load(data_path=path))
+    event(f"{kind}: {'refused' if error else 'accepted'}")
+    if error is not None:  # what was found: the file named when unreadable as a whole
+        assert kind not in ("truncate", "empty") or str(path) in str(error), error
+        return
+    assert kind not in ("truncate", "empty")
+    assert set(result.conditions) <= set(valid_files["conditions"]) | set(result.conditions)
+    assert np.isfinite(result.ctrl_mean).all()
+
+
+@scaled(1.0)
+@given(data=st.data())
+def test_damaged_checkpoint_loads_whole_or_is_refused(data, valid_files, tmp_path_factory):
+    """A damaged checkpoint is refused naming the file, or loads exactly what was saved (a
+    change in the archive's bookkeeping only): never a silently different weight."""
+    from gears import checkpoint as ckpt
+    from gears.errors import GearsInputError
+
+    kind, raw = data.draw(damaged(valid_files["checkpoint"]))
+    path = _corrupted_copy(tmp_path_factory, "epoch_0003.pt", raw)
+    try:
+        state = ckpt.load(path)
+    except GearsInputError as e:
+        event(f"{kind}: refused")
+        assert str(path) in str(e)
+        assert ckpt.load_latest(path.parent, log=lambda _: None) is None
+        with pytest.raises(ckpt.NoReadableCheckpoint, match="none of the 1 checkpoint"):
+            ckpt.load_for_resume(path.parent, log=lambda _: None)
+        return
+    event(f"{kind}: loaded")
+    assert _same_state(state, valid_files["state"])
+
+
+@scaled(0.6)
+@given(data=st.data(), name=st.sampled_from(["config.json", "prediction.json"]))
+def test_damaged_model_folder_json_is_read_or_refused(data, name, valid_files, tmp_path_factory):
+    """config.json or prediction.json damaged: a GearsInputError naming it, or a folder that
+    still predicts exactly what it did (only a setting the weights do not depend on can
+    change unseen: model.pt records the rest)."""
+    import shutil
+
+    from gears.api import GEARS
+    from gears.errors import GearsInputError
+    from gears.model_folder import read_model_json
+
+    kind, raw = data.draw(damaged((valid_files["model"] / name).read_bytes()))
+    folder = tmp_path_factory.mktemp("damaged_model") / "model"
+    shutil.copytree(valid_files["model"], folder)
+    (folder / name).write_bytes(raw)
+    try:
+        if name == "config.json":
+            model = GEARS(valid_files["pert_data"], device="cpu").load_pretrained(folder)
+            predictions = model.predict(valid_files["genes"])
+        else:
+            info = read_model_json(folder, name)
+    except GearsInputError as e:
+        event(f"{kind}: refused")
+        assert name in str(e) or str(folder) in str(e), str(e)
+        return
+    event(f"{kind}: read")
+    if name == "config.json":
+        for key, value in valid_files["predictions"].items():
+            np.testing.assert_array_equal(predictions[key], value)
+    else:
+        assert isinstance(info, dict)
+
+
+@scaled(0.6)
+@given(data=st.data())
+def test_damaged_go_table_is_read_or_refused(data, valid_files, tmp_path_factory):
+    """The gene -> GO table (a TSV) damaged: refused naming it, or read (its content is data:
+    a changed GO term is another graph, not an error)."""
+    from helpers import tiny_screen
+
+    kind, raw = data.draw(damaged(valid_files["go"]))
+    path = _corrupted_copy(tmp_path_factory, "go.tsv", raw)
+    p = PertData(path.parent / "data", gene2go=path, verbose=False)
+    result, error = _outcome(lambda: p.new_data_process("tiny", tiny_screen(), write=False))
+    event(f"{kind}: {'refused' if error else 'accepted'}")
+    if error is not None:
+        assert str(path) in str(error), str(error)
+        return
+    assert set(result.conditions) <= set(valid_files["conditions"])
+
+
+@scaled(1.0)
+@given(data=st.data())
+def test_damaged_config_file_is_read_or_refused(data, valid_files, tmp_path_factory):
+    """configs/default.yaml damaged: refused naming the file or the key, or a config whose every
+    value is typed and in range."""
+    kind, raw = data.draw(damaged(valid_files["config"]))
+    path = _corrupted_copy(tmp_path_factory, "default.yaml", raw)
+    try:
+        cfg = load_config(path)
+    except GearsInputError as e:
+        event(f"{kind}: refused")
+        assert str(path) in str(e) or "config key" in str(e), str(e)
+        return
+    event(f"{kind}: read")
+    check_config(cfg, path.parent)

@@ -1338,17 +1338,22 @@ class PertData:
         codes = pd.Index(kept_conditions).get_indexer(conditions).astype(np.int64)
         n_kept = int((codes >= 0).sum())
         nnz = None
-        with h5py.File(path, "r") as f:
-            if isinstance(f["X"], h5py.Group):
-                if f["X"].attrs.get("encoding-type") == "csc_matrix":
-                    raise GearsInputError(
-                        f"{path.name} stores X by column (CSC); out-of-core processing reads "
-                        "rows, which would read the whole matrix per chunk. Rewrite it by rows "
-                        "(adata.X = adata.X.tocsr(); adata.write_h5ad(...)) or use "
-                        "data.store=memory"
-                    )
-                indptr = f["X"]["indptr"][:]
-                nnz = int(np.diff(indptr)[codes >= 0].sum())
+        try:
+            with h5py.File(path, "r") as f:
+                if isinstance(f["X"], h5py.Group):
+                    if f["X"].attrs.get("encoding-type") == "csc_matrix":
+                        raise GearsInputError(
+                            f"{path.name} stores X by column (CSC); out-of-core processing "
+                            "reads rows, which would read the whole matrix per chunk. Rewrite "
+                            "it by rows (adata.X = adata.X.tocsr(); adata.write_h5ad(...)) or "
+                            "use data.store=memory"
+                        )
+                    indptr = f["X"]["indptr"][:]
+                    nnz = int(np.diff(indptr)[codes >= 0].sum())
+        except GearsInputError:
+            raise
+        except (OSError, RuntimeError, KeyError, ValueError, TypeError) as e:  # a damaged file
+            raise h5ad_error(path, e) from None
         layout = store_mod.choose_layout(n_kept, len(names), nnz)
         try:
             writer = store_mod.StoreWriter(
@@ -1443,7 +1448,8 @@ class PertData:
             writer.abort()  # the temp folder goes: nothing half-written is left in the store
             if isinstance(e, OSError) and e.errno is not None:  # a write (h5py reads: no errno)
                 raise _store_write_error(root, e) from None
-            if isinstance(e, (OSError, RuntimeError, KeyError)):  # h5py on a damaged file
+            damaged = (OSError, RuntimeError, KeyError, ValueError, TypeError)  # from h5py
+            if isinstance(e, damaged) and not isinstance(e, GearsInputError):
                 raise h5ad_error(path, e) from None
             raise
         self._log(f"wrote the processed store {root / key} ({layout}, {n_kept} cells)")
