@@ -240,7 +240,7 @@ def _run(cfg: Config, env: DistEnv, pert_data=None) -> dict | None:
     seed_everything(cfg.seed)
     out = Path(cfg.out_dir)
     # A resume keeps the checkpoint's config.yaml until the checkpoint has accepted this one.
-    keep_config = cfg.train.resume and (out / "config.yaml").exists()
+    keep_config = cfg.train.resume and bool(ckpt.list_checkpoints(out / "checkpoints"))
     if env.is_main:
         (out / "plots").mkdir(parents=True, exist_ok=True)
         if not keep_config:
