@@ -44,6 +44,7 @@ def ctx(tmp_path_factory) -> SimpleNamespace:
     seed_everything(0)
     model = GEARS(data, device="cpu").model_initialize(hidden_size=8)
     model.save_model(tmp / "model")
+    model.save_model(tmp / "model_run" / "model")  # a finished run's folder, as a run leaves it
     cfg = TrainConfig(epochs=1, batch_size=8, limit_batches=2)
     loaders = data.get_dataloader(cfg.batch_size, 16)
     trainer = Trainer(model.model, data, cfg, model.model_config(), DistEnv(), out_dir=tmp / "run")
@@ -210,6 +211,20 @@ def model_json(ctx, name: str):
     from gears.model_folder import read_model_json
 
     read_model_json(folder, name)
+
+
+def run_into(ctx, out_dir: Path, *overrides: str):
+    """The main job (gears.run.run) on out_dir: refused at its start, before any data work."""
+    from gears.run import run
+
+    cfg = load_config(None, [f"out_dir={out_dir}", f"data.data_dir={ctx.tmp / 'd'}", *overrides])
+    run(cfg, DistEnv())
+
+
+def out_dir_a_file(ctx):
+    path = ctx.tmp / "notes.txt"
+    path.write_text("my notes")
+    run_into(ctx, path)
 
 
 def yaml_file(ctx, text: str):
@@ -656,6 +671,21 @@ CASES = [
         GearsInputError,
         (r"nowhere\.pt",),
         r"check the path",
+    ),
+    # ------------------------------------------------------------- run folders
+    Case(
+        "out_dir that is a file",
+        out_dir_a_file,
+        GearsInputError,
+        (r"out_dir .*notes\.txt is a file",),
+        r"choose another out_dir",
+    ),
+    Case(
+        "out_dir holding a finished run",
+        lambda c: run_into(c, c.tmp / "model_run", "wandb.mode=disabled"),
+        GearsInputError,
+        (r"model_run holds another run's outputs", r"model/"),
+        r"another out_dir; train\.resume=true .* replace_out_dir=true",
     ),
     # ------------------------------------------------------- launcher variables
     Case(
