@@ -192,6 +192,7 @@ def run(cfg: Config, env: DistEnv, pert_data=None) -> dict | None:
     joining the group. After the test predictions are gathered every rank leaves the process
     group (`release`); the other ranks return None and rank 0 scores, runs baselines, plots and
     writes with no collective pending, however long that takes."""
+    check_before_the_run(cfg)
     folder = claim_run_folder(cfg, env)
     try:
         return _run(cfg, env, pert_data)
@@ -209,11 +210,29 @@ def run(cfg: Config, env: DistEnv, pert_data=None) -> dict | None:
         folder.release()
 
 
+def check_before_the_run(cfg: Config) -> None:
+    """What a run needs that the config alone shows, said before out_dir is claimed or
+    anything is trained or written: an uninstalled scorer (not after an hour of training), a
+    fork's class that cannot be found, a model cell-eval2 cannot score."""
+    from gears.contexts import one_model_per_context
+    from gears.model import network_class
+
+    if cfg.eval.cell_eval:
+        from gears.predict import require_cell_eval
+
+        require_cell_eval()
+    network_class(cfg.model.impl)
+    if cfg.eval.cell_eval2:
+        from gears.vcc2026 import require_cell_eval2, require_scorable
+
+        require_cell_eval2()
+        require_scorable(cfg, network_class(cfg.model.impl), one_model_per_context(cfg))
+
+
 def _run(cfg: Config, env: DistEnv, pert_data=None) -> dict | None:
     from gears.api import GEARS
     from gears.baselines import baseline_predictions
     from gears.engine import seed_everything
-    from gears.model import network_class
     from gears.plotting import plot_history
 
     t_start = time.perf_counter()
@@ -227,16 +246,6 @@ def _run(cfg: Config, env: DistEnv, pert_data=None) -> dict | None:
         return run_contexts(
             cfg, env, pert_data, load=load_unsplit, prepare=split_and_graphs, run_one=run
         )
-    if cfg.eval.cell_eval:
-        from gears.predict import require_cell_eval
-
-        require_cell_eval()  # before training: say how to install it, not after an hour
-    network_class(cfg.model.impl)  # a fork's class that cannot be found: said before the data
-    if cfg.eval.cell_eval2:
-        from gears.vcc2026 import require_cell_eval2, require_scorable
-
-        require_cell_eval2()
-        require_scorable(cfg, network_class(cfg.model.impl), one_model_per_context(cfg))
     seed_everything(cfg.seed)
     out = Path(cfg.out_dir)
     # A resume keeps the checkpoint's config.yaml until the checkpoint has accepted this one.
