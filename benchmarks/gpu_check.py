@@ -1092,7 +1092,7 @@ def check_restart(run: CheckRun) -> dict:
     if killed.rc != 0:
         return result("fail", f"killed run did not finish: {killed.why()}", **details)
     log = killed.text()
-    if "resumed from" not in log or "epoch_0001.pt (epoch 1," not in log:
+    if "resumed from" not in log or "epoch_0001.pt: after epoch 1 (step " not in log:
         return result("fail", f"no 'resumed from ...epoch_0001.pt' in {killed.log.name}", **details)
     same, diff, where = compare_weights(
         saved_weights(run.folder / "killed"), saved_weights(run.folder / "uninterrupted"), True

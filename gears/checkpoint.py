@@ -215,9 +215,19 @@ def list_checkpoints(folder: str | Path) -> list[Path]:
 
 
 def checkpoint_path(folder: str | Path, epoch: int, step_in_epoch: int = 0) -> Path:
-    """epoch: epochs completed; step_in_epoch: optimizer steps into the next (preemption)."""
+    """epoch: epochs completed; step_in_epoch: optimizer steps into the next (preemption).
+    epoch_0001_step_000014.pt: after epoch 1 and 14 steps of epoch 2 (see position)."""
     tail = f"_step_{step_in_epoch:06d}" if step_in_epoch else ""
     return Path(folder) / f"epoch_{epoch:04d}{tail}.pt"
+
+
+def position(epochs_done: int, steps_into_next: int, steps_in_all: int) -> str:
+    """Where a run stands, counted as its checkpoints are named and its epoch lines are
+    numbered (epoch 1 is the first): "epoch 1 + 14 steps of epoch 2 (step 78 in all)" is
+    epoch_0001_step_000014.pt, "epoch 2 (step 128 in all)" is epoch_0002.pt. Steps are
+    optimizer steps (train.grad_accum_steps batches each)."""
+    into = f" + {steps_into_next} steps of epoch {epochs_done + 1}" if steps_into_next else ""
+    return f"epoch {epochs_done}{into} (step {steps_in_all} in all)"
 
 
 class NoReadableCheckpoint(GearsInputError):

@@ -322,8 +322,8 @@ def non_finite_error(env: DistEnv, conditions, epoch: int, first_bad, recorded) 
     rank, step, batch_no, names = seen[0]
     where = f" on rank {rank}" if env.distributed else ""
     error = NonFiniteLossError(
-        f"the training loss became NaN or infinite at epoch {epoch + 1}, step {step} "
-        f"(batch {batch_no} of the epoch){where}; the batch's conditions: "
+        f"the training loss became NaN or infinite in epoch {epoch + 1}, at step {step} in "
+        f"all (batch {batch_no} of the epoch){where}; the batch's conditions: "
         f"{names[:20]}{' ...' if len(names) > 20 else ''}. No checkpoint was written "
         "after it. Lower train.lr, keep train.grad_clip > 0, try train.precision=fp32, "
         "or check these conditions' expression values (NaN, huge raw counts)"
@@ -633,14 +633,15 @@ class Trainer:
                 self.save_checkpoint()
             where = ckpt.list_checkpoints(os.path.join(self.out_dir, "checkpoints"))[-1:]
         if self.env.is_main:
-            pos = f"epoch {self.epoch + 1}, step {self.step}" if self.partial else None
+            into = self.partial["batch"] // self.cfg.grad_accum_steps if self.partial else 0
             saved = (
                 f"wrote {where[0]}; run the same command with train.resume=true to continue"
                 if where
                 else "no out_dir, nothing saved"
             )
             print(
-                f"{name} received: stopped at {pos or f'the end of epoch {self.epoch}'}; {saved}",
+                f"{name} received: stopped after {ckpt.position(self.epoch, into, self.step)}; "
+                f"{saved}",
                 flush=True,
             )
         raise TrainingStopped(f"stopped by {name} at step {self.step}", signum)

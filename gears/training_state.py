@@ -274,8 +274,8 @@ def resume(trainer, asked: bool, optimizer_kernel: dict) -> bool:
         log(f"train.resume: no checkpoint in {folder}; starting from scratch")
         return False
     restore(trainer, state, optimizer_kernel)
-    where = f", {trainer.partial['batch']} batches into the next" if trainer.partial else ""
-    log(f"resumed from {state['path']} (epoch {trainer.epoch}{where}, step {trainer.step})")
+    into = trainer.partial["batch"] // trainer.cfg.grad_accum_steps if trainer.partial else 0
+    log(f"resumed from {state['path']}: after {ckpt.position(trainer.epoch, into, trainer.step)}")
     threads, now = state.get("cpu_threads"), torch.get_num_threads()
     if trainer.device.type == "cpu" and threads is not None and threads != now:
         log(

@@ -302,7 +302,7 @@ def test_restart_on_node_local_disks_resumes_every_rank_from_rank_0s_checkpoint(
     written = [disk / "run" for disk in disks if (disk / "run" / "metrics.json").exists()]
     assert len(written) == 1, written
     (main,) = [node for node in nodes if TABLE_HEADER in node.stdout]
-    assert "resumed from" in main.stdout and "epoch_0001.pt (epoch 1," in main.stdout
+    assert "resumed from" in main.stdout and "epoch_0001.pt: after epoch 1 (step " in main.stdout
     other = disks[1 - disks.index(written[0].parent)]
     assert not (other / "run" / "checkpoints").exists() or not any(
         (other / "run" / "checkpoints").iterdir()
@@ -352,7 +352,7 @@ def test_torchrun_restart_after_killed_worker_equals_uninterrupted(tmp_path, tor
     run = _torchrun(tmp_path, "--max-restarts", "1", env=env, timeout=120)
     assert "exitcode: -9" in run.stderr, run.why()  # the fault really happened
     assert run.ok(), run.why()
-    assert "resumed from" in run.stdout and "epoch_0001.pt (epoch 1," in run.stdout
+    assert "resumed from" in run.stdout and "epoch_0001.pt: after epoch 1 (step " in run.stdout
     assert run.stdout.count(TABLE_HEADER) == 1
     _assert_same_weights(tmp_path / "run", reference)
     got, want = _metrics(tmp_path / "run"), _metrics(reference)
@@ -525,7 +525,12 @@ def test_sigterm_on_one_rank_then_resume_equals_uninterrupted(tmp_path, spawn_ru
     stop_at = _steps_per_epoch(_run_dir(spawn_run)) + 2
     stopped = _spawn_run(work, env=_env(GEARS_FAULT_KILL=f"1:step:{stop_at}:TERM", **audit))
     assert stopped.ok(), stopped.why()
-    assert stopped.stdout.count(f"SIGTERM received: stopped at epoch 2, step {stop_at}") == 1
+    assert (
+        stopped.stdout.count(
+            f"SIGTERM received: stopped after epoch 1 + 2 steps of epoch 2 (step {stop_at} in all)"
+        )
+        == 1
+    )
     names = [p.name for p in ckpt.list_checkpoints(work / "run" / "checkpoints")]
     assert names == ["epoch_0001.pt", "epoch_0001_step_000002.pt"]
     assert not (work / "run" / "metrics.json").exists()
@@ -553,7 +558,10 @@ def test_sigterm_on_both_ranks_at_once_writes_one_checkpoint_then_resumes(tmp_pa
     stopped = _spawn_run(work, env=_env(GEARS_FAULT_KILL=f"all:step:{stop_at}:TERM", **audit))
     assert stopped.ok(), stopped.why()
     assert stopped.stdout.count("SIGTERM received") == 1
-    assert f"SIGTERM received: stopped at epoch 2, step {stop_at}" in stopped.stdout
+    assert (
+        f"SIGTERM received: stopped after epoch 1 + 2 steps of epoch 2 (step {stop_at} in all)"
+        in stopped.stdout
+    )
     folder = work / "run" / "checkpoints"
     names = [p.name for p in ckpt.list_checkpoints(folder)]
     assert names == ["epoch_0001.pt", "epoch_0001_step_000002.pt"]
@@ -565,7 +573,10 @@ def test_sigterm_on_both_ranks_at_once_writes_one_checkpoint_then_resumes(tmp_pa
     assert not (work / "run" / "metrics.json").exists()
     resumed = _spawn_run(work, "train.resume=true")
     assert resumed.ok(), resumed.why()
-    assert f"resumed from {folder / names[1]} (epoch 1, 2 batches into the next" in resumed.stdout
+    assert (
+        f"resumed from {folder / names[1]}: after epoch 1 + 2 steps of epoch 2 "
+        f"(step {stop_at} in all)" in resumed.stdout
+    )
     want = _metrics_without_timing(_run_dir(spawn_run))
     assert _metrics_without_timing(work / "run") == want
 
@@ -593,7 +604,7 @@ def test_sigterm_to_the_torchrun_agent_stops_the_workers_cleanly(tmp_path, torch
     assert "SignalException: Process" in run.stderr and "got signal: 15" in run.stderr
     assert run.stderr.count("closing signal SIGTERM") == 2, run.why()  # forwarded to both
     assert "Unable to shutdown process" not in run.stderr, run.why()  # no SIGKILL needed
-    assert run.stdout.count("SIGTERM received: stopped at") == 1, run.stdout[-2000:]
+    assert run.stdout.count("SIGTERM received: stopped after") == 1, run.stdout[-2000:]
     folder = tmp_path / "run" / "checkpoints"
     names = [p.name for p in ckpt.list_checkpoints(folder)]
     assert names[0] == "epoch_0001.pt" and len(names) == 2, names
@@ -618,7 +629,7 @@ def test_nan_loss_on_one_rank_stops_every_rank_with_one_message(tmp_path, spawn_
     run = _spawn_run(tmp_path, env=_env(GEARS_FAULT_KILL=f"1:step:{bad}:NAN"))
     assert run.returncode == 2, run.why()
     message = (
-        f"error: the training loss became NaN or infinite at epoch 2, step {bad} "
+        f"error: the training loss became NaN or infinite in epoch 2, at step {bad} in all "
         f"(batch {per_epoch} of the epoch) on rank 1; the batch's conditions: ['"
     )
     assert run.stderr.count("the training loss became NaN") == 1, run.stderr[-3000:]

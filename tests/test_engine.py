@@ -453,7 +453,10 @@ def test_sigterm_mid_epoch_then_resume_equals_uninterrupted(tmp_path, whole_run)
     run_dir = tmp_path / "term"
     stopped = _run_cli(run_dir, tmp_path / "data", env={"GEARS_FAULT_KILL": "0:step:13:TERM"})
     assert stopped.returncode == 0, stopped.stderr[-2000:]
-    assert "SIGTERM received: stopped at epoch 2, step 13" in stopped.stdout
+    assert (
+        "SIGTERM received: stopped after epoch 1 + 3 steps of epoch 2 (step 13 in all)"
+        in stopped.stdout
+    )
     assert "train.resume=true" in stopped.stdout
     names = [p.name for p in ckpt.list_checkpoints(run_dir / "checkpoints")]
     assert names == ["epoch_0001.pt", "epoch_0001_step_000003.pt"]
@@ -462,7 +465,7 @@ def test_sigterm_mid_epoch_then_resume_equals_uninterrupted(tmp_path, whole_run)
     assert (state["step"], state["epoch"], state["partial"]["batch"]) == (13, 1, 3)
     resumed = _run_cli(run_dir, tmp_path / "data", "train.resume=true")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert "epoch_0001_step_000003.pt (epoch 1, 3 batches into the next, step 13)" in (
+    assert "epoch_0001_step_000003.pt: after epoch 1 + 3 steps of epoch 2 (step 13 in all)" in (
         resumed.stdout
     )
     assert metrics_without_timing(run_dir) == metrics_without_timing(whole_run)

@@ -154,7 +154,10 @@ def test_sigint_mid_epoch_writes_a_checkpoint_exits_130_and_resumes_exactly(tmp_
     stopped = run_train_cli(run, data, env={"GEARS_FAULT_KILL": "0:step:13:INT"})
     assert stopped.returncode == 130, stopped.stderr[-2000:]
     assert "Traceback" not in stopped.stderr and "KeyboardInterrupt" not in stopped.stderr
-    assert "SIGINT received: stopped at epoch 2, step 13; wrote " in stopped.stdout
+    assert (
+        "SIGINT received: stopped after epoch 1 + 3 steps of epoch 2 (step 13 in all); wrote "
+        in stopped.stdout
+    )
     names = [p.name for p in ckpt.list_checkpoints(run / "checkpoints")]
     assert names == ["epoch_0001.pt", "epoch_0001_step_000003.pt"]
     resumed = run_train_cli(run, data, "train.resume=true")
@@ -205,7 +208,7 @@ def test_ctrl_c_to_spawned_processes_stops_them_with_one_checkpoint(tmp_path):
             launcher.wait()
     assert launcher.returncode == 130, err[-3000:]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
-    assert out.count("SIGINT received: stopped at ") == 1, out[-2000:]
+    assert out.count("SIGINT received: stopped after ") == 1, out[-2000:]
     state = ckpt.load(ckpt.list_checkpoints(run / "checkpoints")[-1])
     assert state["epoch"] >= 1 and state["world_size"] == 2
 

@@ -89,7 +89,7 @@ def test_sigkill_after_checkpoint_then_resume_is_bitwise_identical(tmp_path, ref
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]  # after epoch 1's save
     resumed = _run(run_dir, data, "train.resume=true")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert f"epoch_0001.pt (epoch 1, step {BATCHES})" in resumed.stdout
+    assert f"epoch_0001.pt: after epoch 1 (step {BATCHES} in all)" in resumed.stdout
     _assert_identical(run_dir, reference)
 
 
@@ -102,9 +102,12 @@ def test_sigterm_mid_epoch_then_resume_is_bitwise_identical(tmp_path, reference)
     rare = "train.checkpoint_every=100"
     stopped = _run(run_dir, data, rare, env={"GEARS_FAULT_KILL": f"0:step:{stop_at}:TERM"})
     assert stopped.returncode == 0, stopped.stderr[-2000:]
-    assert f"SIGTERM received: stopped at epoch 2, step {stop_at}" in stopped.stdout
+    assert (
+        f"SIGTERM received: stopped after epoch 1 + 3 steps of epoch 2 (step {stop_at} in all)"
+        in stopped.stdout
+    )
     with _load("busy"):
         resumed = _run(run_dir, data, rare, "train.resume=true")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert f"(epoch 1, 3 batches into the next, step {stop_at})" in resumed.stdout
+    assert f": after epoch 1 + 3 steps of epoch 2 (step {stop_at} in all)" in resumed.stdout
     _assert_identical(run_dir, reference)

@@ -129,7 +129,7 @@ def test_one_out_dir_one_run(tmp_path):
     assert "epoch_0002.pt: the disk is full or a size/quota limit was hit" in line
     assert line.endswith("and run again with train.resume=true")
     resumed = _ok(_train(run, tmp_path / "other_data", *command))
-    assert "epoch_0001.pt (epoch 1, step" in resumed.stdout
+    assert "epoch_0001.pt: after epoch 1 (step" in resumed.stdout
     _ok(reference)
     got = ckpt.load(run / "model" / "model.pt")["state_dict"]
     want = ckpt.load(tmp_path / "reference" / "model" / "model.pt")["state_dict"]
