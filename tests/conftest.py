@@ -53,3 +53,31 @@ def vcc_run(tmp_path_factory) -> dict:
     from vcc_helpers import train_vcc_run
 
     return train_vcc_run(tmp_path_factory.mktemp("vcc_run"))
+
+
+# The variables a launcher sets for its processes. A test that leaves one behind (slurm_to_env
+# writes os.environ itself) turns every later train_single.py / train_distributed.py subprocess
+# into a rank of a group that never forms: fail that test, not the later ones.
+_LAUNCH_VARS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
+@pytest.fixture(autouse=True)
+def _no_launch_variables_left_behind():
+    before = {k: os.environ.get(k) for k in _LAUNCH_VARS}
+    yield
+    after = {k: os.environ.get(k) for k in _LAUNCH_VARS}
+    if after != before:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        changed = {k: (before[k], after[k]) for k in _LAUNCH_VARS if before[k] != after[k]}
+        pytest.fail(f"the test left launch variables changed (before, after): {changed}")

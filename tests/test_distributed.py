@@ -387,10 +387,13 @@ SLURM = {  # task 5 of `srun` step 0 (the batch script itself has no step id; se
 def clean_launch_env(monkeypatch):
     # slurm_to_env writes os.environ itself: restore the whole environment afterwards, or RANK /
     # WORLD_SIZE leak into later tests (a train_single.py subprocess then waits for 8 ranks).
+    # monkeypatch is undone first: a setenv over a value slurm_to_env wrote would otherwise put
+    # that value back after the restore (RANK=5, WORLD_SIZE=8 leaked so into every later test).
     saved = dict(os.environ)
     for key in [*LAUNCH_VARS, *[k for k in os.environ if k.startswith(LAUNCH_PREFIXES)]]:
         monkeypatch.delenv(key, raising=False)
     yield monkeypatch
+    monkeypatch.undo()
     os.environ.clear()
     os.environ.update(saved)
 
