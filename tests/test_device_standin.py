@@ -72,6 +72,7 @@ def test_parameters_buffers_gradients_and_optimizer_states_are_device_tensors(st
     gradient, an optimizer state or a batch-norm statistic fails as it would on a GPU."""
     from gears.api import GEARS
     from gears.config import TrainConfig
+    from gears.model.batch import ModelBatch
 
     pert_data = tiny_split(tmp_path)
     model = GEARS(pert_data, device="cpu").model_initialize(hidden_size=8)
@@ -85,7 +86,7 @@ def test_parameters_buffers_gradients_and_optimizer_states_are_device_tensors(st
     batch = next(iter(pert_data.get_dataloader_distributed(8, device=torch.device("cpu"))[
         "train_loader"
     ]))  # fmt: skip
-    net(batch.uniq_pert_index, batch.counts).float().pow(2).mean().backward()
+    net(ModelBatch(batch.uniq_pert_index, batch.counts)).float().pow(2).mean().backward()
     grads = [p.grad for p in net.parameters() if p.grad is not None]
     assert grads and all(isinstance(g, DeviceTensor) for g in grads)
     for read in (
