@@ -360,7 +360,10 @@ class Workspace:
             tokens = shlex.split(step.run)
             for flag, value in zip(tokens, tokens[1:]):
                 if flag in OUTPUT_FLAGS:
-                    assert (self.root / value).exists(), (
+                    out = self.root / value
+                    # predict.py given a run with contexts writes <stem>_<context><suffix> each
+                    per_context = list(out.parent.glob(f"{out.stem}_*{out.suffix}"))
+                    assert out.exists() or per_context, (
                         f"{step.block.where}: `{step.run}` did not write {value} ({flag})"
                     )
         after = self.files()
