@@ -252,7 +252,7 @@ def test_nan_loss_names_epoch_step_and_the_batch_conditions(tiny, tmp_path):
     with pytest.raises(NonFiniteLossError) as info:
         trainer.fit(loaders, progress=False)
     message = str(info.value)
-    assert "epoch 1, step 3 (batch 3 of the epoch)" in message
+    assert "in epoch 1, at step 3 in all (batch 3 of the epoch)" in message
     assert str(expected[:20]) in message
     assert "Lower train.lr" in message
     assert not (tmp_path / "checkpoints").exists()  # nothing written after the NaN
@@ -264,7 +264,9 @@ def test_inf_loss_is_caught_when_checked_at_the_logging_interval(tiny):
     loaders = _loaders(tiny)
     trainer = _poisoned_trainer(tiny, bad_call=2)
     trainer.check_every = 4
-    with pytest.raises(NonFiniteLossError, match=r"epoch 1, step 2 \(batch 2 of the epoch\)"):
+    with pytest.raises(
+        NonFiniteLossError, match=r"in epoch 1, at step 2 in all \(batch 2 of the epoch\)"
+    ):
         trainer.fit(loaders, progress=False)
 
 
@@ -322,7 +324,9 @@ def test_nan_loss_in_a_process_group_names_the_rank(tiny):
         env = DistEnv(0, 0, 1, torch.device("cpu"), "gloo")
         cfg = TrainConfig(epochs=1, batch_size=8)
         trainer = Trainer(model.model, tiny, cfg, model.model_config(), env)
-        with pytest.raises(NonFiniteLossError, match=r"step 2 \(batch 2 of the epoch\) on rank 0"):
+        with pytest.raises(
+            NonFiniteLossError, match=r"at step 2 in all \(batch 2 of the epoch\) on rank 0"
+        ):
             trainer.fit(_loaders(tiny), progress=False)
     finally:
         # DDP's reducer holds the gloo group: freed after destroy_process_group (when this
