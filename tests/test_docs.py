@@ -681,8 +681,11 @@ def _has_command(text: str) -> bool:
 
 def _known_commit(name: str, cache: dict = {}) -> bool:  # noqa: B006 - a per-process cache
     if name not in cache:
+        # An ancestor of HEAD, not merely an object in this clone: a clone of main holds only
+        # main's history, so a commit left on a rebased branch names code no one can check out.
         git = subprocess.run(
-            ["git", "-C", str(ROOT), "cat-file", "-e", f"{name}^{{commit}}"], capture_output=True
+            ["git", "-C", str(ROOT), "merge-base", "--is-ancestor", name, "HEAD"],
+            capture_output=True,
         )
         shallow = subprocess.run(
             ["git", "-C", str(ROOT), "rev-parse", "--is-shallow-repository"],
@@ -696,7 +699,7 @@ def _known_commit(name: str, cache: dict = {}) -> bool:  # noqa: B006 - a per-pr
 
 def unsourced_figures(page: str, text: str | None = None) -> list[str]:
     """'page:line: figures (what is missing)' for each item whose figures lack a command or a
-    commit that git knows (of the page, or of TEXT given for it)."""
+    commit of HEAD's history (of the page, or of TEXT given for it)."""
     items, found = _items(page, text), []
     for index, (kind, line, text) in enumerate(items):
         figures = [f for f in _figures(kind, text) if (page, f) not in NOT_MEASURED]
