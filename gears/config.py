@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from gears.counts import DEFAULT_SAMPLER, SAMPLERS
 from gears.data.splits import SPLIT_TYPES
 from gears.errors import GearsInputError
 
@@ -30,6 +31,9 @@ class DataConfig:
     # (keep them without GO edges).
     unmapped_perts: str = "error"
     condition_key: str | None = None  # obs column naming each cell's perturbation; None = detect
+    context_key: str | None = (
+        None  # obs column naming each cell's context (e.g. cell line); None = one context
+    )
     control_names: list[str] = field(default_factory=list)  # extra spellings of control cells
     mirror_url: str | None = None  # base URL replacing the public download host
     # Processed expression that every local rank memory-maps: auto (memory-map when the data
@@ -159,6 +163,11 @@ class EvalConfig:
     # exact) or of the control cells randomly paired with its cells (paired, GEARS's protocol).
     control_mean: str = "all"
     cell_eval: bool = False  # score test predictions with cell-eval's vcc profile (optional)
+    # Score the test split with cell-eval2's vcc2026 preset (the 2026 challenge): each member raw
+    # and rescaled (0 = its mean-response baseline, 1 = a replicate), for GEARS and the baselines.
+    cell_eval2: bool = False
+    # How predicted cells become integer counts for the 2026 score (gears/counts.py).
+    counts_sampler: str = DEFAULT_SAMPLER
 
 
 @dataclass
@@ -203,6 +212,7 @@ CHOICES = {
     "data.store": ("auto", "memory", "mmap"),
     "eval.control_mean": ("all", "paired"),
     "data.normalize": ("none", "log1p"),
+    "eval.counts_sampler": SAMPLERS,
 }
 
 
