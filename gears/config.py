@@ -50,6 +50,9 @@ class DataConfig:
     # none: X is log-normalised already; log1p: X holds raw counts (the Virtual Cell Challenge's
     # file): scale each cell to the median total count, then log1p, as cell-eval does.
     normalize: str = "none"
+    # With context_key: `auto` trains one model per context unless the network reads the
+    # context (then one model across contexts); `per_context` or `joint` choose either.
+    context_models: str = "auto"
 
 
 @dataclass
@@ -213,6 +216,7 @@ CHOICES = {
     "eval.control_mean": ("all", "paired"),
     "data.normalize": ("none", "log1p"),
     "eval.counts_sampler": SAMPLERS,
+    "data.context_models": ("auto", "per_context", "joint"),
 }
 
 
