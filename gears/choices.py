@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from gears.counts import SAMPLERS
+
 SPLIT_TYPES = (
     "simulation",
     "simulation_single",
@@ -30,4 +32,5 @@ CHOICES = {
     "data.store": ("auto", "memory", "mmap"),
     "eval.control_mean": ("all", "paired"),
     "data.normalize": ("none", "log1p"),
+    "eval.counts_sampler": SAMPLERS,
 }

@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from gears.choices import CHOICES
+from gears.counts import DEFAULT_SAMPLER
 from gears.errors import GearsInputError
 
 
@@ -172,6 +173,11 @@ class EvalConfig:
     # exact) or of the control cells randomly paired with its cells (paired, GEARS's protocol).
     control_mean: str = "all"
     cell_eval: bool = False  # score test predictions with cell-eval's vcc profile (optional)
+    # Score the test split with cell-eval2's vcc2026 preset (the 2026 challenge): each member raw
+    # and rescaled (0 = its mean-response baseline, 1 = a replicate), for GEARS and the baselines.
+    cell_eval2: bool = False
+    # How predicted cells become integer counts for the 2026 score (gears/counts.py).
+    counts_sampler: str = DEFAULT_SAMPLER
 
 
 @dataclass

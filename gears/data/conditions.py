@@ -15,8 +15,16 @@ CONTROL_SPELLINGS = frozenset(
     {"ctrl", "control", "non-targeting", "nontargeting", "non_targeting", "nt", "safe-targeting"}
 )
 # obs columns that name each cell's perturbation in public files, in the order they are tried
-# (GEARS / scPerturb / Virtual Cell Challenge / Replogle / guide-level tables).
-CONDITION_KEY_CANDIDATES = ("condition", "perturbation", "target_gene", "gene", "guide_target")
+# (GEARS / scPerturb / Virtual Cell Challenge 2025 / Replogle / guide-level tables / Virtual
+# Cell Challenge 2026).
+CONDITION_KEY_CANDIDATES = (
+    "condition",
+    "perturbation",
+    "target_gene",
+    "gene",
+    "guide_target",
+    "target",
+)
 
 
 def detect_condition_key(columns: Iterable[str], condition_key: str | None = None) -> str:

@@ -120,6 +120,33 @@ def check_normalize(method: str) -> None:
         )
 
 
+def median_total(totals: np.ndarray) -> float:
+    """data.normalize=log1p's target: the median total of the cells with any counts."""
+    totals = np.asarray(totals)
+    return float(np.median(totals[totals > 0])) if (totals > 0).any() else 1.0
+
+
+def context_labels(obs: pd.DataFrame, context_key: str | None) -> np.ndarray | None:
+    """Each cell's context (obs[context_key] as text) [cells], None without a key; a missing
+    column or a cell without a context is one GearsInputError naming the fix."""
+    if context_key is None:
+        return None
+    if context_key not in obs:
+        raise GearsInputError(
+            f"data.context_key={context_key!r}: adata.obs has no such column (columns: "
+            f"{list(obs.columns)}); name the column of each cell's context (e.g. its cell "
+            "line), or set data.context_key=null for one context"
+        )
+    column = obs[context_key]
+    missing = column.isna().values | (column.astype(str).str.strip() == "").values
+    if missing.any():
+        raise GearsInputError(
+            f"{int(missing.sum())} cells have no value in obs[{context_key!r}] "
+            "(data.context_key); label their context or drop them"
+        )
+    return column.astype(str).str.strip().values.astype(object)
+
+
 def check_control_cells(n_ctrl: int) -> None:
     """DE tests each condition against the control cells: one cell has no variance."""
     if n_ctrl < 2:
@@ -234,11 +261,20 @@ class PertData:
         self.condition_key: str = "condition"
         self.condition_spelling: dict[str, str] = {}
         self.normalize_target_sum: float | None = None  # set by normalize='log1p'
-        # Contexts (e.g. cell lines; data.context_key): set by set_context_key after loading.
+        # Raw counts' totals per cell [cells] (normalize='log1p'): the depth that counts output
+        # (gears/counts.py) gives predicted cells.
+        self.library_size: np.ndarray | None = None
+        # Contexts (e.g. cell lines; data.context_key): set by set_context_key, which load
+        # calls with its context_key.
         self.context_key: str | None = None
         self.contexts: list[str] = []  # the context names ([] without a context key)
         self.cell_context: np.ndarray | None = None  # [cells] code into contexts
         self.context_ctrl_means: np.ndarray | None = None  # [contexts, genes] float64
+        self.context: str | None = None  # the one context a context_view holds
+        # Each cell's context as read with the cells [cells] (str), and the column it came
+        # from: set_context_key codes these (a memory-mapped store keeps no other obs column).
+        self._context_labels: tuple[str, np.ndarray] | None = None
+        self._source: dict | None = None  # how a file was read (context views re-read it)
 
     def _log(self, msg: str) -> None:
         if self.verbose:
@@ -254,6 +290,8 @@ class PertData:
         condition_key: str | None = None,
         control_names: tuple[str, ...] = (),
         normalize: str = "none",
+        context_key: str | None = None,
+        target_sum: float | None = None,
     ) -> PertData:
         """Load a named dataset (`synthetic`, `norman`, `adamson`, `dixit`,
         `replogle_k562_essential`, `replogle_rpe1_essential`) or a processed/raw `.h5ad` path
@@ -261,7 +299,8 @@ class PertData:
 
         subset: keep only cells whose obs columns hold the given value(s), e.g.
         {"dataset": "norman19"} or {"cell_type": ["K562", "RPE1"]}.
-        condition_key, control_names, normalize: as in new_data_process (files only).
+        condition_key, control_names, normalize, context_key, target_sum: as in
+        new_data_process (files only).
         """
         from gears.data import download
 
@@ -279,7 +318,9 @@ class PertData:
                     write_gene2go_tsv(self.synthetic.gene2go, tmp)
                     os.replace(tmp, path)  # whole or absent, even with two runs sharing data_dir
                 self.gene2go_path = path
-            return self.new_data_process("synthetic", self.synthetic.adata, write=False)
+            return self.new_data_process(
+                "synthetic", self.synthetic.adata, write=False, context_key=context_key
+            )
         if data_name is not None and data_path is None:
             if data_name not in download.DATASETS:
                 p = Path(data_name)
@@ -290,6 +331,8 @@ class PertData:
                         condition_key=condition_key,
                         control_names=control_names,
                         normalize=normalize,
+                        context_key=context_key,
+                        target_sum=target_sum,
                     )
                 raise GearsInputError(
                     f"unknown dataset {data_name!r}; use 'synthetic', one of "
@@ -307,6 +350,13 @@ class PertData:
         if not path.exists():
             raise GearsInputError(f"no .h5ad file at {path}")
         name = data_name or (path.parent.name if path.name == PROCESSED_NAME else path.stem)
+        self._source = dict(
+            path=path,
+            subset=dict(subset or {}),
+            condition_key=condition_key,
+            control_names=tuple(control_names),
+            normalize=normalize,
+        )
         if self._wants_store(path):
             return self.process_backed(
                 name,
@@ -315,6 +365,8 @@ class PertData:
                 condition_key=condition_key,
                 control_names=tuple(control_names),
                 normalize=normalize,
+                context_key=context_key,
+                target_sum=target_sum,
             )
         adata = ad.read_h5ad(path)
         for column, wanted in (subset or {}).items():
@@ -338,6 +390,8 @@ class PertData:
             skip_calc_de=True,
             write=False,
             copy_x=False,
+            context_key=context_key,
+            target_sum=target_sum,
         )
 
     def new_data_process(
@@ -352,6 +406,8 @@ class PertData:
         write: bool = True,
         normalize: str = "none",
         copy_x: bool = True,
+        context_key: str | None = None,
+        target_sum: float | None = None,
     ) -> PertData:
         """Validate, canonicalise condition names, compute DE genes, write the processed h5ad.
 
@@ -361,7 +417,11 @@ class PertData:
         normalize: `none` (X is already log-normalised) or `log1p` (X holds raw counts: scale
         each cell to the median total count, then log1p, as cell-eval and the Virtual Cell
         Challenge do; the caller's AnnData is left unchanged unless copy_x=False, which saves a
-        copy of X when the caller hands the AnnData over, as `load` does).
+        copy of X when the caller hands the AnnData over, as `load` does). target_sum: scale
+        each cell to this total instead of the median (a context view keeps the whole data's).
+        The raw totals are kept as `library_size`.
+        context_key: the obs column naming each cell's context (e.g. its cell line): `contexts`
+        and `context_view` then serve one context at a time.
         DE results go to `.uns` under the keys in gears.data.de.DE_KEYS, keyed by condition.
         """
         t0 = time.perf_counter()
@@ -375,12 +435,14 @@ class PertData:
             )
         condition_key = chosen
         validate_adata(adata, condition_key)
+        cell_context = context_labels(adata.obs, context_key)
         names = gene_names_of(adata)
         obs = pd.DataFrame(index=adata.obs_names.astype(str))
         obs["condition"] = canonicalize_conditions(
             adata.obs[condition_key].values, sep, control_names
         )
-        raw_names = adata.obs[condition_key].astype(str).values
+        # Spellings as written, less surrounding blanks (' G000 ' is G000 for the model too).
+        raw_names = adata.obs[condition_key].astype(str).str.strip().values
         self.condition_key = condition_key
         self.condition_spelling = (
             pd.Series(raw_names).groupby(obs["condition"].values, sort=False).first().to_dict()
@@ -430,8 +492,9 @@ class PertData:
             X.indices, X.indptr = X.indices.astype(np.int64), X.indptr.astype(np.int64)
         if not keep.all():
             X, obs = X[keep], obs.iloc[keep]
+        self._context_labels = None if cell_context is None else (context_key, cell_context[keep])
         # Unfiltered, X may share memory with the caller's adata.X: normalise a copy then.
-        X = self._normalize(X, normalize, copy=copy_x and bool(keep.all()))
+        X = self._normalize(X, normalize, copy=copy_x and bool(keep.all()), target_sum=target_sum)
         if self.normalize_target_sum is not None:
             self.report["normalize"] = {
                 "method": normalize,
@@ -463,9 +526,11 @@ class PertData:
         )
         return self
 
-    def _normalize(self, X, method: str, copy: bool):
-        """normalize='log1p': raw counts -> log1p(counts scaled to the median cell total)."""
+    def _normalize(self, X, method: str, copy: bool, target_sum: float | None = None):
+        """normalize='log1p': raw counts -> log1p(counts scaled to the median cell total, or to
+        target_sum); the totals are kept as library_size."""
         self.normalize_target_sum = None
+        self.library_size = None
         check_normalize(method)
         if method == "none":
             return X
@@ -475,14 +540,15 @@ class PertData:
         if np.size(values) and np.any(values != np.round(values)):
             raise not_counts_error()
         totals = np.asarray(X.sum(axis=1)).ravel()
-        target = float(np.median(totals[totals > 0])) if (totals > 0).any() else 1.0
+        target = median_total(totals) if target_sum is None else float(target_sum)
         work = ad.AnnData(X=X.copy() if copy else X)
         sc.pp.normalize_total(work, target_sum=target)
         sc.pp.log1p(work)
         self.normalize_target_sum = target
+        self.library_size = totals.astype(np.float64)
         self._log(
-            f"normalised raw counts: each cell scaled to {target:.0f} counts (the median), "
-            "then log1p"
+            f"normalised raw counts: each cell scaled to {target:.0f} counts "
+            f"({'the median' if target_sum is None else 'as the whole data'}), then log1p"
         )
         return work.X
 
@@ -538,7 +604,8 @@ class PertData:
         )
         self.split = self.set2conditions = self.subgroup = self.dataloader = None
         self._graphs = {}
-        self.set_context_key(None)  # contexts belong to the cells loaded before
+        # Contexts belong to the cells just loaded: those read with them, else none.
+        self.set_context_key(self._context_labels[0] if self._context_labels else None)
 
     def _resolve_perturbations(self, conditions: list[str], measured: set[str]) -> None:
         """Perturbation vocabulary = measured and perturbed genes known to the GO source."""
@@ -700,7 +767,11 @@ class PertData:
         self.dataloader = None  # loaders built before pair across contexts
         if context_key is None:
             return self
-        values = obs_values(self.adata.obs, context_key)
+        labels = self._context_labels
+        if labels is not None and labels[0] == context_key:
+            values = labels[1]  # read with the cells (a store keeps no other obs column)
+        else:
+            values = obs_values(self.adata.obs, context_key)
         self.contexts = categories_of(values)
         self.cell_context = encode(values, self.contexts, "context")
         ctrl_context = self.cell_context[self.ctrl_rows]
@@ -863,6 +934,112 @@ class PertData:
             return means
         return means[[self.cond_to_id[c] for c in conditions]]
 
+    # ------------------------------------------------------------------------- context views
+    def context_view(self, name: str) -> PertData:
+        """One context's cells as a PertData of their own: its cells and control cells, its
+        control mean and its DE genes (against its own control cells), the conditions it holds
+        (each with at least 2 cells), with the genes, perturbation vocabulary (pert_names and
+        their GO sets) and normalisation of the whole data, so that one model's perturbation
+        rows index every view alike. Not split: call prepare_split on it. `view.context` names
+        it. In memory a view copies its rows of the processed matrix; from a store it is
+        processed into a store of its own (data.store), out of core like its parent."""
+        if self.cell_context is None:
+            raise GearsInputError(
+                "this data has no contexts: set data.context_key (PertData.load(context_key=...)) "
+                "to the obs column naming each cell's context"
+            )
+        if name not in self.contexts:
+            raise GearsInputError(
+                f"unknown context {name!r} of obs[{self.context_key!r}]; contexts: {self.contexts}"
+            )
+        view = PertData(
+            self.data_dir,
+            gene2go=self.gene2go_path,
+            gene_aliases=self.gene_aliases_path,
+            seed=self.seed,
+            verbose=self.verbose,
+            store=self.store_mode,
+            store_dir=self.store_dir,
+            chunk_cells=self.chunk_cells,
+            unmapped_perts=self.unmapped_perts,
+            mirror_url=self.mirror_url,
+        )
+        view.gene2go_user = self.gene2go_user
+        dataset = f"{self.dataset_name}__{_safe_name(name)}"
+        if self.store is not None:
+            src = self._source
+            subset = {**src["subset"], self.context_key: [name]}
+            view.process_backed(
+                dataset,
+                src["path"],
+                condition_key=self.condition_key,
+                control_names=src["control_names"],
+                subset=subset,
+                normalize=src["normalize"],
+                context_key=self.context_key,
+                target_sum=self.normalize_target_sum,
+            )
+        else:
+            view._setup_context(self, name, dataset)
+        view._share_vocabulary(self)
+        view.context = name
+        view._source = self._source
+        return view
+
+    def _setup_context(self, parent: PertData, name: str, dataset: str) -> None:
+        """context_view in memory: the parent's processed rows of one context, DE recomputed."""
+        rows = np.flatnonzero(parent.cell_context == parent.contexts.index(name))
+        conditions = np.asarray(parent.conditions, dtype=object)[parent.cell_condition[rows]]
+        counts = pd.Series(conditions).value_counts()
+        if counts.get(CTRL, 0) < 2:
+            raise GearsInputError(
+                f"context {name!r} has {counts.get(CTRL, 0)} control cell(s); its DE genes and "
+                "control mean need at least 2"
+            )
+        few = sorted(c for c in counts.index[counts < 2] if c != CTRL)
+        keep = ~np.isin(conditions, few)
+        rows, conditions = rows[keep], conditions[keep]
+        if not (conditions != CTRL).any():
+            raise GearsInputError(f"context {name!r} has no perturbed cells")
+        X = parent.expr.numpy()
+        X = X[rows] if not sp.issparse(X) else sp.csr_matrix(X)[rows]
+        obs = pd.DataFrame(
+            {"condition": conditions.astype(str)},
+            index=parent.adata.obs_names.astype(str).values[rows],
+        )
+        names = parent.gene_names
+        processed = ad.AnnData(
+            X=X, obs=obs, var=pd.DataFrame({"gene_name": names.values}, index=names.values)
+        )
+        processed.uns.update(de_mod.compute_de(processed, n_top=N_DE))
+        self._share_vocabulary(parent)
+        self.report = {
+            "dropped_conditions": sorted(few),
+            "dropped_conditions_too_few_cells": sorted(few),
+        }
+        if parent.report.get("normalize"):
+            self.report["normalize"] = parent.report["normalize"]
+        present = set(conditions.tolist())
+        self.condition_key = parent.condition_key
+        self.condition_spelling = {
+            c: v for c, v in parent.condition_spelling.items() if c in present
+        }
+        self.normalize_target_sum = parent.normalize_target_sum
+        self.library_size = None if parent.library_size is None else parent.library_size[rows]
+        self._context_labels = (parent.context_key, np.full(len(rows), name, dtype=object))
+        self._setup(dataset, processed)
+
+    def _share_vocabulary(self, parent: PertData) -> None:
+        """The parent's perturbation vocabulary and GO sets (and the rows they index)."""
+        self.pert_names = parent.pert_names
+        self.node_map_pert = parent.node_map_pert
+        self.gene2go = parent.gene2go
+        if getattr(self, "conditions", None) is not None and hasattr(self, "cond_pert_index"):
+            for c, condition in enumerate(self.conditions):
+                for slot, gene in enumerate(condition_genes(condition)):
+                    self.cond_pert_index[c, slot] = self.node_map_pert[gene]
+            self._graphs = {}
+
     # ------------------------------------------------------------------- out-of-core and store
     def _wants_store(self, path: Path) -> bool:
         """data.store: mmap always, memory never, auto when the file or its dense matrix is
@@ -894,6 +1071,8 @@ class PertData:
         control_names: tuple[str, ...],
         subset: dict | None,
         normalize: str = "none",
+        context_key: str | None = None,
+        target_sum: float | None = None,
     ) -> dict:
         """Every parameter the processed result depends on (the store key is a hash of these)."""
         from gears.data.store import DENSE_STORE_LIMIT_BYTES, input_fingerprint
@@ -901,8 +1080,13 @@ class PertData:
         def fingerprint(path) -> dict | None:
             return input_fingerprint(path) if path is not None else None
 
-        # normalize joins the key only when used: stores built before it existed stay valid.
-        normalized = {"normalize": normalize} if normalize != "none" else {}
+        # normalize, contexts and a given target sum join the key only when used: stores built
+        # before they existed stay valid (a log1p store now also holds the library sizes).
+        normalized = {"normalize": normalize, "library_size": True} if normalize != "none" else {}
+        if context_key is not None:
+            normalized["context_key"] = context_key
+        if target_sum is not None:
+            normalized["target_sum"] = float(target_sum)
         return {
             **normalized,
             "condition_key": condition_key,
@@ -930,6 +1114,8 @@ class PertData:
         control_names: tuple[str, ...] = (),
         subset: dict | None = None,
         normalize: str = "none",
+        context_key: str | None = None,
+        target_sum: float | None = None,
     ) -> PertData:
         """Process an .h5ad out of core into the shared store (or reuse it), then serve from it.
 
@@ -939,13 +1125,22 @@ class PertData:
         writes the kept rows to the store. The store lives in `store_dir` (default
         <data_dir>/<dataset>/store) under a key over the input and every processing parameter,
         so a second process (another rank) with the same inputs memory-maps it instead.
-        Raw counts are refused, or normalised with normalize='log1p', as new_data_process does.
+        Raw counts are refused, or normalised with normalize='log1p' (to target_sum, else the
+        median total; the totals are stored as library_size), as new_data_process does.
+        context_key: as in new_data_process; each cell's context is stored with it.
         """
         from gears.data import store as store_mod
 
         check_normalize(normalize)
         path = Path(path)
         t0 = time.perf_counter()
+        self._source = dict(
+            path=path,
+            subset=dict(subset or {}),
+            condition_key=condition_key,
+            control_names=tuple(control_names),
+            normalize=normalize,
+        )
         backed = ad.read_h5ad(path, backed="r")  # obs and var only; X stays on disk
         try:
             chosen = detect_condition_key(backed.obs.columns, condition_key)
@@ -954,9 +1149,12 @@ class PertData:
                     f"perturbation column: obs[{chosen!r}], found by itself; set "
                     "data.condition_key to choose another"
                 )
+            context_labels(backed.obs, context_key)  # a missing column fails before any work
             key = store_mod.store_key(
                 store_mod.input_fingerprint(path),
-                self._store_params(chosen, sep, control_names, subset, normalize),
+                self._store_params(
+                    chosen, sep, control_names, subset, normalize, context_key, target_sum
+                ),
             )
             root = self._store_root(dataset_name)
             opened = store_mod.open_store(root, key)
@@ -972,6 +1170,8 @@ class PertData:
                     control_names=control_names,
                     subset=subset,
                     normalize=normalize,
+                    context_key=context_key,
+                    target_sum=target_sum,
                 )
                 opened = store_mod.open_store(root, key)
                 if opened is None:
@@ -981,12 +1181,13 @@ class PertData:
                     )
             else:
                 self._log(f"reusing the processed store {opened.path}")
-            raw = backed.obs[chosen].astype(str)
+            raw = backed.obs[chosen].astype(str).str.strip()
             canon = canonicalize_conditions(raw.values, sep, control_names)
             self.condition_key = chosen
             self.condition_spelling = raw.groupby(canon, sort=False).first().to_dict()
         finally:
             backed.file.close()
+        self.context_key = context_key
         self._setup_from_store(dataset_name, opened)
         self._log(
             f"{dataset_name}: {self.adata.n_obs} cells x {self.n_genes} genes, "
@@ -1008,6 +1209,8 @@ class PertData:
         control_names: tuple[str, ...],
         subset: dict | None,
         normalize: str = "none",
+        context_key: str | None = None,
+        target_sum: float | None = None,
     ) -> None:
         """One chunked pass over the backed file -> a committed store (temp dir + rename).
         normalize='log1p' reads the file twice: cell totals (the median target) first."""
@@ -1094,9 +1297,14 @@ class PertData:
             # Raw counts: what check_not_raw_counts reads in memory (the subset's cells, the
             # dropped conditions' included), or normalised as _normalize does.
             probe, inspect, transform = stream.CountsProbe(), None, None
+            extra_tables = {}
+            if context_key is not None:
+                contexts = context_labels(backed.obs, context_key)[codes >= 0]
+                extra_tables["cell_context"] = contexts.astype(str)
             if normalize == "log1p":
                 totals = stream.count_totals(backed.X, backed.n_obs, codes >= 0, self.chunk_cells)
-                target = float(np.median(totals[totals > 0])) if (totals > 0).any() else 1.0
+                target = median_total(totals) if target_sum is None else float(target_sum)
+                extra_tables["library_size"] = totals.astype(np.float64)
                 self.report["normalize"] = {"method": normalize, "target_sum": target}
                 self._log(
                     f"normalised raw counts: each cell scaled to {target:.0f} counts (the "
@@ -1154,6 +1362,7 @@ class PertData:
                     "de_ranked": ranked.astype(np.int32),
                     "non_dropout_de": non_dropout.astype(np.int32),
                     "non_zero_mask": non_zero_mask,
+                    **extra_tables,
                 },
                 meta={
                     "dataset": dataset_name,
@@ -1174,6 +1383,10 @@ class PertData:
         self.dataset_name = dataset_name
         self.report = opened.meta.get("report", {})
         self.normalize_target_sum = self.report.get("normalize", {}).get("target_sum")
+        self.library_size = t["library_size"] if "library_size" in t else None
+        self._context_labels = (
+            (self.context_key, t["cell_context"].astype(object)) if "cell_context" in t else None
+        )
         self.gene_names = pd.Index(t["gene_names"].astype(str))
         self.node_map = {g: i for i, g in enumerate(self.gene_names)}
         self.conditions = [str(c) for c in t["conditions"]]
@@ -1207,7 +1420,8 @@ class PertData:
         )
         self.split = self.set2conditions = self.subgroup = self.dataloader = None
         self._graphs = {}
-        self.set_context_key(None)  # contexts belong to the cells loaded before
+        # Contexts belong to the cells just loaded: those read with them, else none.
+        self.set_context_key(self._context_labels[0] if self._context_labels else None)
 
     def __repr__(self) -> str:
         if self.adata is None:
@@ -1216,6 +1430,13 @@ class PertData:
             f"PertData({self.dataset_name}: {self.adata.n_obs} cells x {self.n_genes} genes, "
             f"{len(self.conditions)} conditions, {len(self.pert_names)} perturbable genes)"
         )
+
+
+def _safe_name(name: str) -> str:
+    """A context name as a file name part."""
+    import re
+
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", str(name)) or "context"
 
 
 def torch_from(array: np.ndarray):

@@ -678,3 +678,121 @@ def write_vcc_example(
     write_pert_counts(validation, paths["counts"])
     write_gene2go_tsv(gene2go, paths["gene2go"])
     return paths
+
+
+VCC2026_CONTEXTS = ("lineA", "lineB")
+
+
+def make_vcc2026_layout(
+    n_genes: int = 200,
+    n_perturbations: int = 30,
+    cells_per_perturbation: int = 40,
+    n_control_cells: int = 300,
+    contexts: tuple[str, ...] = VCC2026_CONTEXTS,
+    n_modules: int = 6,
+    seed: int = 0,
+) -> tuple[anndata.AnnData, dict[str, set[str]]]:
+    """A small CRISPRi screen laid out as the Virtual Cell Challenge 2026 describes its files:
+    X [cells, genes] CSR float32 raw UMI counts, obs['target'] the bare symbol of the
+    knocked-down gene or 'non-targeting', obs['cell_line'] the context, var_names symbols.
+
+    Every context holds the same panel (cells_per_perturbation cells of each perturbation and
+    n_control_cells controls per context): one simulated screen whose cells are dealt to the
+    contexts, each context then given its own baseline (every gene's counts thinned by a
+    factor drawn from [0.4, 1]) and depth (library sizes thinned by a factor from [0.5, 1]),
+    so contexts differ the way cell lines differ while the perturbations act alike.
+    Returns (adata, gene -> GO terms)."""
+    k = len(contexts)
+    if k < 1 or len(set(contexts)) != k:
+        raise GearsInputError(f"contexts must be distinct names, got {contexts}")
+    screen = make_synthetic(
+        n_genes=n_genes,
+        n_single=n_perturbations,
+        n_double=0,
+        cells_per_condition=cells_per_perturbation * k,
+        n_control_cells=n_control_cells * k,
+        n_modules=n_modules,
+        mode="crispri",
+        seed=seed,
+        keep_counts=True,
+    )
+    src = screen.adata
+    condition = src.obs["condition"].astype(str).values
+    target = np.where(
+        condition == CTRL, VCC_CONTROL, np.char.replace(condition.astype(str), f"+{CTRL}", "")
+    )
+    rng = np.random.default_rng(seed + 7)
+    context = np.empty(len(target), dtype=object)
+    for label in np.unique(target):  # each context gets an equal share of every perturbation
+        rows = rng.permutation(np.flatnonzero(target == label))
+        context[rows] = np.resize(np.array(contexts, dtype=object), len(rows))
+    counts = sp.csr_matrix(src.layers["counts"], dtype=np.float64)
+    gene_factor = rng.uniform(0.4, 1.0, size=(k, n_genes))  # each context's baseline
+    depth = rng.uniform(0.5, 1.0, size=k)  # and its sequencing depth
+    cell_code = pd.Index(contexts).get_indexer(context)
+    entry_code = cell_code[np.repeat(np.arange(counts.shape[0]), np.diff(counts.indptr))]
+    keep = gene_factor[entry_code, counts.indices] * depth[entry_code]
+    counts.data = rng.binomial(counts.data.astype(np.int64), keep).astype(np.float64)
+    counts.eliminate_zeros()
+    obs = pd.DataFrame(
+        {
+            "target": pd.Categorical(target),
+            "cell_line": pd.Categorical(context.astype(str), categories=list(contexts)),
+        },
+        index=pd.Index([f"{name}-{c}" for name, c in zip(src.obs_names, context)]),
+    )
+    genes = src.var_names.astype(str)
+    return (
+        anndata.AnnData(
+            X=sp.csr_matrix(counts, dtype=np.float32), obs=obs, var=pd.DataFrame(index=genes)
+        ),
+        screen.gene2go,
+    )
+
+
+def write_vcc2026_example(
+    folder: str | Path, validation_fraction: float = 1 / 3, seed: int = 0, **layout
+) -> dict[str, Path]:
+    """A synthetic stand-in for the 2026 challenge's files in `folder`: adata_Training.h5ad
+    (every context's control cells but a third, and the training perturbations),
+    adata_Validation_<context>.h5ad per context (the other control cells and the held-out
+    perturbations' real cells: the answers, one file per context as cell-eval2 scores them),
+    pert_counts_Validation.csv (cell_line,target,n_cells,median_umi_per_cell: the request) and
+    gene2go.tsv. layout: make_vcc2026_layout arguments."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    adata, gene2go = make_vcc2026_layout(seed=seed, **layout)
+    target = adata.obs["target"].astype(str).values
+    context = adata.obs["cell_line"].astype(str).values
+    perts = np.array(sorted(set(target) - {VCC_CONTROL}))
+    rng = np.random.default_rng(seed + 2)
+    n_val = max(1, int(round(len(perts) * validation_fraction)))
+    held_out = sorted(rng.choice(perts, size=n_val, replace=False).tolist())
+    is_ctrl = target == VCC_CONTROL
+    val_ctrl = np.zeros(len(target), dtype=bool)
+    ctrl_rows = np.flatnonzero(is_ctrl)
+    val_ctrl[rng.permutation(ctrl_rows)[: len(ctrl_rows) // 3]] = True
+    in_val = np.isin(target, held_out) | val_ctrl
+    paths = {
+        "training": folder / "adata_Training.h5ad",
+        "counts": folder / "pert_counts_Validation.csv",
+        "gene2go": folder / "gene2go.tsv",
+    }
+    adata[~in_val].copy().write_h5ad(paths["training"])
+    validation = adata[in_val].copy()
+    umis = np.asarray(validation.X.sum(axis=1)).ravel()
+    rows = []
+    for name in adata.obs["cell_line"].cat.categories:
+        mine = context[in_val] == name
+        paths[f"validation_{name}"] = folder / f"adata_Validation_{name}.h5ad"
+        validation[mine].copy().write_h5ad(paths[f"validation_{name}"])
+        frame = pd.DataFrame({"target": target[in_val][mine], "umi": umis[mine]})
+        frame = frame[frame["target"] != VCC_CONTROL]
+        per = frame.groupby("target", sort=True)["umi"].agg(["size", "median"]).reset_index()
+        for _, row in per.iterrows():
+            rows.append([name, row["target"], int(row["size"]), float(row["median"])])
+    pd.DataFrame(rows, columns=["cell_line", "target", "n_cells", "median_umi_per_cell"]).to_csv(
+        paths["counts"], index=False
+    )
+    write_gene2go_tsv(gene2go, paths["gene2go"])
+    return paths
