@@ -2,13 +2,20 @@
 
     python predict.py --model RUN_DIR/model --perturbations FILE_OR_LIST \\
         [--cells-per-perturbation N | --counts CSV] --out pred.h5ad [--real REAL.h5ad]
+    python predict.py --model RUN_DIR/model --counts pert_counts.csv --output counts --out pred.h5ad
 
 FILE: one perturbation a line; LIST: comma-separated; spelled as the training data spells them
-('KLF1', 'KLF1+ctrl', 'KLF1+MAP2K6'). --counts takes VCC's pert_counts_Validation.csv
-(target_gene,n_cells,median_umi_per_cell); without --perturbations it predicts every row.
-The control cells come from the model folder (a sample saved with the model; see
-gears/predict.py). --real scores the prediction with cell-eval's vcc profile and writes
-<out>.metrics.json.
+('KLF1', 'KLF1+ctrl', 'KLF1+MAP2K6'). --counts takes the challenge's pert_counts CSV
+(target_gene or target, n_cells, median_umi_per_cell); without --perturbations it predicts every
+row. --output lognorm (default) writes log-normalised expression; --output counts writes integer
+counts (the 2026 challenge), drawn by --sampler at the control cells' depth or at the CSV's
+median_umi_per_cell (gears/counts.py). The control cells come from the model folder (a sample
+saved with the model; see gears/predict.py). --real scores a log-normalised prediction with
+cell-eval's vcc profile and writes <out>.metrics.json.
+
+A run with data.context_key has one model per context: --model RUN_DIR predicts each context's
+model and writes <out stem>_<context>.h5ad per context; a counts CSV with that context column
+gives each context its rows.
 
 A model folder saved by cell-gears 0.1.2 (config.pkl + model.pt) also needs the data it was
 trained on, which gives the gene and perturbation order and the control cells
@@ -23,6 +30,7 @@ import argparse
 import json
 from pathlib import Path
 
+from gears.counts import DEFAULT_SAMPLER, SAMPLERS
 from gears.errors import GearsInputError
 from gears.run import guarded
 
@@ -65,6 +73,18 @@ def parse_args(argv=None):
         help="control cells to include (default: every control cell saved with the model, or "
         "the control row of --counts)",
     )
+    parser.add_argument(
+        "--output",
+        choices=("lognorm", "counts"),
+        default="lognorm",
+        help="lognorm: log-normalised expression; counts: integer counts (2026 challenge)",
+    )
+    parser.add_argument(
+        "--sampler",
+        choices=SAMPLERS,
+        default=DEFAULT_SAMPLER,
+        help=f"--output counts: how counts are drawn (default {DEFAULT_SAMPLER}; gears/counts.py)",
+    )
     parser.add_argument("--real", help="real .h5ad to score against with cell-eval (vcc profile)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the control-cell draws")
     parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto")
@@ -72,9 +92,70 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
+def model_folders(model: Path, out: Path) -> list[tuple[Path, Path]]:
+    """(model folder, output file) pairs: one for a model folder; for a run with one model per
+    context (its contexts.json), each context's model and <out stem>_<context>.h5ad."""
+    from gears.contexts import SUMMARY_FILE
+
+    index = model / SUMMARY_FILE
+    if not index.is_file():
+        return [(model, out)]
+    try:
+        contexts = json.loads(index.read_text())["contexts"]
+    except (ValueError, KeyError, TypeError):
+        raise GearsInputError(f"{index} is damaged; it lists a run's contexts") from None
+    return [
+        (model / folder, out.with_name(f"{out.stem}_{Path(folder).parent.name}{out.suffix}"))
+        for folder in contexts.values()
+    ]
+
+
 def main(argv=None):
     from gears.predict import (
+        MAX_CELLS_PER_PERTURBATION,
+        MAX_PREDICTED_CELLS,
+        check_output_path,
+        check_seed,
+        require_cell_eval,
+    )
+
+    args = parse_args(argv)
+    out = Path(args.out)
+    check_output_path(out)  # before any work: a bad --out fails now, not after predicting
+    check_seed(args.seed)
+    if args.real is not None:
+        if args.output == "counts":
+            raise GearsInputError(
+                "--real scores log-normalised cells with cell-eval's 2025 profile; score counts "
+                "with cell-eval2 (cell-eval2 run --preset vcc2026, docs/predictions.md)"
+            )
+        require_cell_eval()  # before any work: say how to install it
+    per = args.cells_per_perturbation
+    if per is not None and not 1 <= per <= MAX_CELLS_PER_PERTURBATION:
+        raise GearsInputError(
+            f"--cells-per-perturbation must be from 1 to {MAX_CELLS_PER_PERTURBATION:,}, got {per}"
+        )
+    if args.perturbations is None and args.counts is None:
+        raise GearsInputError("give --perturbations (a file or a comma-separated list) or --counts")
+    if args.control_cells is not None and not 1 <= args.control_cells <= MAX_PREDICTED_CELLS:
+        raise GearsInputError(
+            "--control-cells must be >= 1 (cell-eval needs control cells) and at most "
+            f"{MAX_PREDICTED_CELLS:,}"
+        )
+    targets = model_folders(Path(args.model), out)
+    for _, target in targets:
+        check_output_path(target)
+    preds = {}
+    for folder, target in targets:
+        preds[target] = predict_one(args, folder, target)
+    return preds[out] if len(preds) == 1 and out in preds else preds
+
+
+def predict_one(args, folder: Path, out: Path):
+    """predict.py for one model folder, written to out."""
+    from gears.predict import (
         DEFAULT_CELLS_PER_PERTURBATION,
+        MAX_PREDICTED_CELLS,
         cell_eval_scores,
         load_model,
         predict_cells,
@@ -82,26 +163,18 @@ def main(argv=None):
         read_counts,
         read_perturbations,
         real_cells_for_scoring,
-        require_cell_eval,
     )
 
-    args = parse_args(argv)
-    out = Path(args.out)
-    if out.suffix != ".h5ad":
-        raise GearsInputError(f"--out {out} must end in .h5ad")
-    if args.real is not None:
-        require_cell_eval()  # before any work: say how to install it
-    if args.cells_per_perturbation is not None and args.cells_per_perturbation < 1:
-        raise GearsInputError("--cells-per-perturbation must be >= 1")
-    if args.perturbations is None and args.counts is None:
-        raise GearsInputError("give --perturbations (a file or a comma-separated list) or --counts")
     model, info, controls = load_model(
-        args.model, args.device, data=args.data, gene2go=args.gene2go, gene_set=args.gene_set
+        folder, args.device, data=args.data, gene2go=args.gene2go, gene_set=args.gene_set
     )
     control_label = info.get("control_label", "ctrl")
+    key = info.get("condition_key", "condition")
     n_control = args.control_cells
+    median_umi = None
     if args.counts is not None:
-        counts = read_counts(args.counts, info.get("condition_key", "condition"))
+        request = read_counts(args.counts, key, info.get("context_key"), info.get("context"))
+        counts = dict(request.n_cells)
         if n_control is None and control_label in counts:
             n_control = counts[control_label]
         counts.pop(control_label, None)
@@ -110,19 +183,36 @@ def main(argv=None):
         if missing:
             raise GearsInputError(f"--counts has no row for {missing[:20]}")
         n_cells = [counts[p] for p in labels]
+        if request.median_umi is not None and args.output == "counts":
+            median_umi = [request.median_umi[p] for p in labels]
     else:
         labels = read_perturbations(args.perturbations)
         n_cells = [args.cells_per_perturbation or DEFAULT_CELLS_PER_PERTURBATION] * len(labels)
-    if n_control is not None and n_control < 1:
-        raise GearsInputError("--control-cells must be >= 1 (cell-eval needs control cells)")
+    if sum(n_cells) + (n_control or 0) > MAX_PREDICTED_CELLS:
+        raise GearsInputError(
+            f"{sum(n_cells):,} predicted cells asked; at most {MAX_PREDICTED_CELLS:,} are written "
+            "in one file (split the request)"
+        )
 
     out.parent.mkdir(parents=True, exist_ok=True)
     # Written a chunk of cells at a time: memory never holds the whole prediction.
-    pred = predict_cells(model, info, controls, labels, n_cells, n_control, args.seed, out=out)
-    key = info.get("condition_key", "condition")
+    pred = predict_cells(
+        model,
+        info,
+        controls,
+        labels,
+        n_cells,
+        n_control,
+        args.seed,
+        out=out,
+        output=args.output,
+        sampler=args.sampler,
+        median_umi=median_umi,
+    )
+    what = f"{args.output} ({args.sampler})" if args.output == "counts" else args.output
     print(
-        f"wrote {out}: {pred.n_obs} cells x {pred.n_vars} genes ({len(labels)} perturbations, "
-        f"{int((~pred.obs['predicted']).sum())} control cells); obs[{key!r}], "
+        f"wrote {out}: {pred.n_obs} cells x {pred.n_vars} genes, {what} ({len(labels)} "
+        f"perturbations, {int((~pred.obs['predicted']).sum())} control cells); obs[{key!r}], "
         f"uns['gears_mean_prediction']"
         + (", layers['log_variance']" if model.config.get("uncertainty") else ""),
         flush=True,

@@ -3,9 +3,10 @@ GEARS.load_pretrained and predict.py read without the training data.
 
     model/config.json         the model's hyperparameters, gene and perturbation lists
     model/model.pt            weights, graphs and the mean control expression
-    model/control_cells.h5ad  a seeded sample of processed control cells (genes in model order)
+    model/control_cells.h5ad  a seeded sample of processed control cells (genes in model order;
+                              obs['library_size']: their raw totals, when trained from counts)
     model/prediction.json     the input's condition column, control and condition spellings,
-                              normalisation
+                              normalisation, and the context of a model of one context
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import pandas as pd
 import scipy.sparse as sp
 
 from gears.data.conditions import CTRL
+from gears.errors import GearsInputError
 
 MODEL_FILE, CONFIG_FILE = "model.pt", "config.json"
 CONTROL_CELLS_FILE = "control_cells.h5ad"
@@ -56,7 +58,11 @@ def write_prediction_inputs(
     X = csr_rows(pert_data.expr.numpy(), rows)
     names = pert_data.adata.obs_names.astype(str).values[rows]
     genes = list(pert_data.gene_names)
-    controls = ad.AnnData(X=X, obs=pd.DataFrame(index=names), var=pd.DataFrame(index=genes))
+    obs = pd.DataFrame(index=names)
+    library = getattr(pert_data, "library_size", None)
+    if library is not None:  # raw counts' totals: the depth of counts output (gears/counts.py)
+        obs["library_size"] = np.asarray(library, dtype=np.float64)[rows]
+    controls = ad.AnnData(X=X, obs=obs, var=pd.DataFrame(index=genes))
     atomic_write_h5ad(controls, path / CONTROL_CELLS_FILE)
     spelling = dict(getattr(pert_data, "condition_spelling", {}) or {})
     info = {
@@ -66,10 +72,25 @@ def write_prediction_inputs(
         "normalize_target_sum": getattr(pert_data, "normalize_target_sum", None),
         "n_control_cells": int(len(pert_data.ctrl_rows)),
         "n_saved_control_cells": int(len(rows)),
+        "context_key": getattr(pert_data, "context_key", None),
+        "context": getattr(pert_data, "context", None),
     }
     tmp = path / f".{PREDICTION_FILE}.tmp{os.getpid()}"
     tmp.write_text(json.dumps(info, indent=1))
     tmp.replace(path / PREDICTION_FILE)
+
+
+def read_control_cells(path: Path) -> ad.AnnData:
+    """A model folder's control_cells.h5ad; a damaged one (truncated copy, full disk at save)
+    is one GearsInputError naming it, not a reader's traceback."""
+    try:
+        return ad.read_h5ad(path)
+    except (OSError, KeyError, ValueError, TypeError, RuntimeError) as e:
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise GearsInputError(
+            f"{path} is unreadable ({first}): the file is truncated or damaged. Save the model "
+            "again from its run (GEARS.save_model) or copy the model folder again"
+        ) from None
 
 
 class SavedVocabulary:

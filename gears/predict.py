@@ -14,6 +14,7 @@ condition spellings and normalisation).
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from collections.abc import Sequence
@@ -28,6 +29,17 @@ import scipy.sparse as sp
 from gears import cell_gears
 from gears import checkpoint as ckpt
 from gears.api import GEARS
+from gears.counts import (
+    DEFAULT_SAMPLER,
+    MAX_COUNTS_PER_CELL,
+    NB_MEAN_CELLS,
+    ROWS_PER_DRAW,
+    check_sampler,
+    control_dispersion,
+    rates,
+    raw_counts,
+    sample_rows,
+)
 from gears.data.conditions import CTRL, canonical_condition, condition_genes
 from gears.errors import GearsInputError
 from gears.model.batch import declared_covariates, reads_x
@@ -40,11 +52,14 @@ from gears.model_folder import (
     SavedVocabulary,
     control_sample_rows,
     csr_rows,
+    read_control_cells,
 )
 
 DEFAULT_CELLS_PER_PERTURBATION = 100
 UNCERTAINTY_LAYER = "log_variance"
 MEAN_KEY = "gears_mean_prediction"
+OUTPUTS = ("lognorm", "counts")  # predict.py --output
+COUNTS_KEY = "gears_counts"  # .uns: how counts output was drawn (sampler, seed, target sum)
 CELL_EVAL_PROFILE = "vcc"
 CELL_EVAL_INSTALL = (
     "cell-eval is not installed; install the optional evaluation extra with "
@@ -84,7 +99,7 @@ def load_model(
     vocab = SavedVocabulary(meta["gene_names"], meta["pert_names"], ctrl)
     model = GEARS(vocab, device=device).load_pretrained(path)
     info = json.loads((path / PREDICTION_FILE).read_text())
-    controls = ad.read_h5ad(path / CONTROL_CELLS_FILE)
+    controls = read_control_cells(path / CONTROL_CELLS_FILE)
     if list(controls.var_names) != list(meta["gene_names"]):
         raise GearsInputError(f"{path / CONTROL_CELLS_FILE} does not match the model's genes")
     return model, info, controls
@@ -148,29 +163,85 @@ def read_perturbations(spec: str) -> list[str]:
     return items
 
 
-def read_counts(path: str | Path, condition_key: str) -> dict[str, int]:
-    """A cell-count CSV: perturbation -> n_cells. Accepts VCC's pert_counts_Validation.csv
-    (target_gene,n_cells,median_umi_per_cell); the perturbation column is `condition_key`,
-    `target_gene` or the first column. median_umi_per_cell is ignored (predictions are
-    log-normalised, not counts)."""
+class CountsRequest(NamedTuple):
+    """A cell-count CSV: cells asked per perturbation label (a control row included, under the
+    data's control label) and, when the file has the column, the median UMI per cell asked."""
+
+    n_cells: dict[str, int]
+    median_umi: dict[str, float] | None
+
+
+MAX_CELLS_PER_PERTURBATION = 1_000_000
+MAX_PREDICTED_CELLS = 20_000_000  # obs alone would take GBs beyond this
+
+
+def read_counts(
+    path: str | Path,
+    condition_key: str,
+    context_key: str | None = None,
+    context: str | None = None,
+) -> CountsRequest:
+    """A cell-count CSV, e.g. VCC's pert_counts_Validation.csv (target_gene,n_cells,
+    median_umi_per_cell); the perturbation column is `condition_key`, `target` (2026),
+    `target_gene` (2025) or the first column. A column named `context_key` (or `context`)
+    restricts the rows to `context`, the model's; a file without one applies to every context.
+    median_umi_per_cell sets the depth of counts output (`--output counts`)."""
     path = Path(path)
     if not path.is_file():
         raise GearsInputError(f"--counts file {path} does not exist")
-    frame = pd.read_csv(path)
+    try:
+        frame = pd.read_csv(path)
+    except (pd.errors.EmptyDataError, pd.errors.ParserError, UnicodeDecodeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise GearsInputError(
+            f"--counts file {path} is empty or not a CSV ({first}); expected a header and "
+            "rows like target_gene,n_cells,median_umi_per_cell"
+        ) from None
     if "n_cells" not in frame.columns:
         raise GearsInputError(
             f"--counts file {path} has no 'n_cells' column (columns: {list(frame.columns)}); "
             "expected e.g. target_gene,n_cells,median_umi_per_cell"
         )
-    key = next((k for k in (condition_key, "target_gene") if k in frame.columns), frame.columns[0])
-    counts = pd.to_numeric(frame["n_cells"], errors="coerce")
-    if counts.isna().any() or (counts < 1).any() or (counts % 1 != 0).any():
-        bad = frame.loc[counts.isna() | (counts < 1) | (counts % 1 != 0), key].tolist()
-        raise GearsInputError(f"--counts: n_cells must be whole numbers >= 1; bad rows: {bad}")
+    context_col = next((c for c in (context_key, "context") if c and c in frame.columns), None)
+    if context_col is not None and context is not None:
+        listed = frame[context_col].astype(str).str.strip()
+        if not (listed == context).any():
+            raise GearsInputError(
+                f"--counts file {path} has no rows for context {context!r} (column "
+                f"{context_col!r} lists {sorted(set(listed))[:20]}); add its rows or predict "
+                "another context's model"
+            )
+        frame = frame[(listed == context).values]
+    if frame.empty:
+        raise GearsInputError(f"--counts file {path} has no rows")
+    candidates = (condition_key, "target", "target_gene")
+    key = next((k for k in candidates if k in frame.columns), frame.columns[0])
     labels = frame[key].astype(str).str.strip()
+    counts = pd.to_numeric(frame["n_cells"], errors="coerce")
+    bad = counts.isna() | (counts < 1) | (counts % 1 != 0) | (counts > MAX_CELLS_PER_PERTURBATION)
+    if bad.any():
+        raise GearsInputError(
+            f"--counts: n_cells must be whole numbers from 1 to {MAX_CELLS_PER_PERTURBATION:,}; "
+            f"bad rows: {labels[bad.values].tolist()[:20]}"
+        )
+    if counts.sum() > MAX_PREDICTED_CELLS:
+        raise GearsInputError(
+            f"--counts asks for {counts.sum():,.0f} cells; at most {MAX_PREDICTED_CELLS:,} are "
+            "predicted in one file (split the request)"
+        )
     if labels.duplicated().any():
         raise GearsInputError(f"--counts lists {sorted(set(labels[labels.duplicated()]))} twice")
-    return dict(zip(labels, counts.astype(int)))
+    median = None
+    if "median_umi_per_cell" in frame.columns:
+        umi = pd.to_numeric(frame["median_umi_per_cell"], errors="coerce")
+        bad = umi.isna() | ~np.isfinite(umi) | (umi <= 0) | (umi > MAX_COUNTS_PER_CELL)
+        if bad.any():
+            raise GearsInputError(
+                f"--counts: median_umi_per_cell must be > 0 and <= {MAX_COUNTS_PER_CELL:,}; "
+                f"bad rows: {labels[bad.values].tolist()[:20]}"
+            )
+        median = dict(zip(labels, umi.astype(float)))
+    return CountsRequest(dict(zip(labels, counts.astype(np.int64).tolist())), median)
 
 
 def resolve_perturbations(
@@ -221,9 +292,11 @@ def plan_cells(
     control_label: str,
     n_control: int | None = None,
     seed: int = 0,
+    context: tuple[str, str] | None = None,
 ) -> CellPlan:
     """The cells of a prediction: n_control control cells (default all saved ones), then for
-    each perturbation p, n_cells[p] control cells drawn without replacement while they last."""
+    each perturbation p, n_cells[p] control cells drawn without replacement while they last.
+    context (obs column, name): every cell's context, for a model of one context."""
     rng = np.random.default_rng(seed)
     pool = controls.n_obs
     ctrl_idx = np.arange(pool) if n_control is None else _draw(rng, pool, n_control)
@@ -245,6 +318,8 @@ def plan_cells(
         },
         index=pd.Index(names),
     )
+    if context is not None:
+        obs[context[0]] = pd.Categorical([context[1]] * len(obs))
     if not obs.index.is_unique:  # more control cells asked than saved: a cell appears twice
         obs.index = ad.utils.make_index_unique(obs.index)
     return CellPlan(obs, source, which)
@@ -261,6 +336,97 @@ def predicted_rows(
     out[hit] += delta[which[hit]]
     np.maximum(out, 0.0, out=out)
     return out
+
+
+class CountsSpec(NamedTuple):
+    """How a prediction's cells become integer counts (gears/counts.py): the training
+    normalisation's target sum, each saved control cell's library size [pool], each
+    perturbation's depth factor [P] (the median UMI asked / the control cells' median; 1 keeps
+    their depth), the sampler and its seed; for sampler nb the control cells' gene dispersions
+    [G] and each perturbation's mean rate per library unit [P, G]."""
+
+    target_sum: float
+    library_size: np.ndarray
+    depth: np.ndarray
+    sampler: str
+    seed: int
+    theta: np.ndarray | None = None
+    unit_rate: np.ndarray | None = None
+
+
+def counts_spec(
+    info: dict,
+    controls: ad.AnnData,
+    delta: np.ndarray,
+    sampler: str = DEFAULT_SAMPLER,
+    seed: int = 0,
+    median_umi: Sequence[float] | None = None,
+) -> CountsSpec:
+    """The CountsSpec of a model folder's prediction: its normalisation (prediction.json),
+    its control cells' library sizes (control_cells.h5ad obs['library_size']); median_umi [P]
+    per perturbation (a counts file's median_umi_per_cell), None keeps the controls' depth."""
+    check_sampler(sampler)
+    target = info.get("normalize_target_sum")
+    if target is None or "library_size" not in controls.obs:
+        raise GearsInputError(
+            "counts output needs the raw counts' scale, which this model does not have: it was "
+            "trained on log-normalised data (data.normalize=none), or saved before library "
+            "sizes were kept. Train it from raw counts with data.normalize=log1p "
+            "(configs/vcc2026.yaml), or predict log-normalised cells (--output lognorm)"
+        )
+    library = controls.obs["library_size"].to_numpy(np.float64)
+    depth = np.ones(len(delta))
+    if median_umi is not None:
+        depth = np.asarray(median_umi, dtype=np.float64) / float(np.median(library))
+    theta = unit = None
+    if sampler == "nb":
+        ctrl_X = _dense_float32(controls.X)
+        theta = control_dispersion(raw_counts(ctrl_X, library, target), library)
+        unit = unit_rates(ctrl_X, np.asarray(delta, np.float32), float(target), seed)
+    return CountsSpec(float(target), library, depth, sampler, int(seed), theta, unit)
+
+
+def unit_rates(
+    ctrl_X: np.ndarray, delta: np.ndarray, target_sum: float, seed: int = 0
+) -> np.ndarray:
+    """Each perturbation's mean predicted rate per library unit [P, G]: expm1 of (control cell
+    + change, clipped at 0) / target_sum, averaged over at most NB_MEAN_CELLS control cells."""
+    rng = np.random.default_rng(seed)
+    pick = rng.permutation(len(ctrl_X))[:NB_MEAN_CELLS]
+    base = ctrl_X[pick]
+    out = np.empty(delta.shape, dtype=np.float64)
+    for p in range(len(delta)):
+        out[p] = np.expm1(np.maximum(base + delta[p], 0.0), dtype=np.float64).mean(0)
+    return out / target_sum
+
+
+def counts_rows(
+    plan: CellPlan, ctrl_X: np.ndarray, delta: np.ndarray, rows: slice, spec: CountsSpec
+) -> np.ndarray:
+    """Integer counts of plan's cells `rows` [cells, G] float32: each predicted cell's
+    log-normalised prediction (predicted_rows) turned into its rate with its control cell's
+    library size times its perturbation's depth factor, then drawn by spec.sampler; control
+    cells are their own raw counts. rows.start must be a multiple of ROWS_PER_DRAW."""
+    x = predicted_rows(plan, ctrl_X, delta, rows)
+    which = plan.which[rows]
+    hit = which >= 0
+    library = spec.library_size[plan.source[rows]]
+    library = library * np.where(hit, spec.depth[np.maximum(which, 0)], 1.0)
+    rate = rates(x, library, spec.target_sum)
+    if spec.unit_rate is not None:
+        rate[hit] = library[hit, None] * spec.unit_rate[which[hit]]
+    out = sample_rows(rate, rows.start, spec.seed, spec.sampler, spec.theta)
+    out[~hit] = np.rint(rate[~hit])
+    return out
+
+
+def counts_uns(spec: CountsSpec) -> dict:
+    return {
+        "sampler": spec.sampler,
+        "seed": spec.seed,
+        "target_sum": spec.target_sum,
+        "max_counts_per_cell": MAX_COUNTS_PER_CELL,
+    }
 
 
 def prediction_uns(
@@ -297,29 +463,49 @@ def prediction_adata(
     seed: int = 0,
     logvar: np.ndarray | None = None,
     ctrl_mean: np.ndarray | None = None,
+    counts: CountsSpec | None = None,
+    context: tuple[str, str] | None = None,
 ) -> ad.AnnData:
     """Predicted cells in memory (dense float32 X): for each perturbation p, n_cells[p] control
     cells drawn from `controls` (without replacement while they last) plus delta[p] [genes],
-    clipped at 0. write_prediction writes the same cells to a file in chunks.
+    clipped at 0; with `counts`, those cells as integer counts (counts_rows). write_prediction
+    writes the same cells to a file in chunks.
 
     labels: the spelling written to obs[condition_key]; conditions: canonical names.
     delta [P, G]; logvar [P, G] -> layers['log_variance'] (NaN on the control cells).
     ctrl_mean [G]: with it, .uns['gears_mean_prediction'] holds delta + ctrl_mean per perturbation.
     The control cells (n_control of them, default all) come first, labelled control_label.
+    context (obs column, name): written to every cell's obs.
     """
     _check_delta(delta, labels, controls)
     plan = plan_cells(
-        labels, conditions, n_cells, controls, condition_key, control_label, n_control, seed
+        labels,
+        conditions,
+        n_cells,
+        controls,
+        condition_key,
+        control_label,
+        n_control,
+        seed,
+        context,
     )
     rows = slice(0, len(plan.source))
-    X = predicted_rows(plan, _dense_float32(controls.X), np.asarray(delta, np.float32), rows)
+    X = _rows_of(plan, _dense_float32(controls.X), np.asarray(delta, np.float32), rows, counts)
     out = ad.AnnData(X=X, obs=plan.obs, var=pd.DataFrame(index=controls.var_names.astype(str)))
     if logvar is not None:
         out.layers[UNCERTAINTY_LAYER] = _logvar_rows(plan, logvar, rows)
     out.uns.update(
         prediction_uns(labels, conditions, delta, logvar, ctrl_mean, condition_key, control_label)
     )
+    if counts is not None:
+        out.uns[COUNTS_KEY] = counts_uns(counts)
     return out
+
+
+def _rows_of(plan, ctrl_X, delta32, rows: slice, counts: CountsSpec | None) -> np.ndarray:
+    if counts is None:
+        return predicted_rows(plan, ctrl_X, delta32, rows)
+    return counts_rows(plan, ctrl_X, delta32, rows, counts)
 
 
 def _check_delta(delta, labels, controls) -> None:
@@ -339,6 +525,151 @@ def _logvar_rows(plan: CellPlan, logvar: np.ndarray, rows: slice) -> np.ndarray:
 CHUNK_BYTES = 64 * 2**20  # dense float32 rows computed at a time by write_prediction
 
 
+class _GuardedFile(io.RawIOBase):
+    """The file HDF5 writes a prediction through (h5py's file-object driver). A write that
+    fails inside HDF5 (a full disk) leaves the library unable to close the file: the close
+    raises, and the interpreter then dies of a segmentation fault. So no write fails here: the
+    first failure is kept (`error`), and it and every later write go to memory, where reads
+    find them, so HDF5 sees a consistent file to its close. The writer stops at the next chunk
+    and reports the failure; memory then holds at most one chunk and the file's metadata."""
+
+    def __init__(self, path: Path):
+        super().__init__()
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._pos = 0
+        self._size = 0
+        self._unwritten: list[tuple[int, bytes]] = []  # (offset, data) after a failure, in order
+        self.error: OSError | None = None
+
+    def readable(self) -> bool:
+        return True
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = base + offset
+        return self._pos
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        if self.error is None:
+            try:
+                done = 0
+                while done < len(view):
+                    done += os.pwrite(self._fd, view[done:], self._pos + done)
+            except OSError as e:
+                self.error = e
+        if self.error is not None:
+            self._unwritten.append((self._pos, bytes(view)))
+        self._pos += len(view)
+        self._size = max(self._size, self._pos)
+        return len(view)
+
+    def readinto(self, buffer) -> int:
+        view = memoryview(buffer).cast("B")
+        n = max(0, min(len(view), self._size - self._pos))
+        data = bytearray(os.pread(self._fd, n, self._pos)).ljust(n, b"\0")
+        for offset, part in self._unwritten:  # in write order: a later write wins
+            lo, hi = max(offset, self._pos), min(offset + len(part), self._pos + n)
+            if lo < hi:
+                data[lo - self._pos : hi - self._pos] = part[lo - offset : hi - offset]
+        view[:n] = data
+        self._pos += n
+        return n
+
+    def truncate(self, size: int | None = None) -> int:
+        size = self._pos if size is None else size
+        if self.error is None:
+            try:
+                os.ftruncate(self._fd, size)
+            except OSError as e:
+                self.error = e
+        self._size = size
+        return size
+
+    def sync(self) -> None:
+        """fsync the file; a failure (a full disk found late) becomes `error`."""
+        if self.error is None:
+            try:
+                os.fsync(self._fd)
+            except OSError as e:
+                self.error = e
+
+    def close(self) -> None:
+        if not self.closed:
+            os.close(self._fd)
+        super().close()
+
+
+TEMP_MARK = ".tmp"
+
+
+def temp_path(path: Path) -> Path:
+    """Where `path` is written before it is renamed into place: hidden, named by the writer."""
+    return path.with_name(f".{path.name}{TEMP_MARK}{os.getpid()}")
+
+
+def remove_stale_temps(path: Path) -> list[Path]:
+    """Temporary files of `path` left by writers that no longer run (a kill mid-write) ->
+    removed, and listed; a live writer's is left alone."""
+    removed = []
+    for tmp in path.parent.glob(f".{path.name}{TEMP_MARK}*"):
+        pid = tmp.name.rsplit(TEMP_MARK, 1)[-1]
+        if pid.isdigit() and _alive(int(pid)) and int(pid) != os.getpid():
+            continue
+        tmp.unlink(missing_ok=True)
+        removed.append(tmp)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def check_output_path(path: Path) -> None:
+    """Refuse an output path that cannot take an .h5ad before any work is done."""
+    if path.suffix != ".h5ad":
+        raise GearsInputError(f"--out {path} must end in .h5ad")
+    if path.is_dir():
+        raise GearsInputError(f"--out {path} is a directory; give a file name ending in .h5ad")
+    parent = path.parent
+    if parent.exists() and not parent.is_dir():
+        raise GearsInputError(f"--out {path}: {parent} is a file, not a folder")
+    if parent.is_dir() and not os.access(parent, os.W_OK | os.X_OK):
+        raise GearsInputError(f"--out {path}: the folder {parent} is not writable")
+
+
+def write_error(path: Path, error: OSError) -> GearsInputError:
+    import shutil
+
+    try:
+        free = f"{shutil.disk_usage(path.parent).free / 1e9:.2f} GB free there"
+    except OSError:
+        free = "free space unknown"
+    kept = f"the earlier {path.name} is unchanged" if path.exists() else "nothing was written"
+    return GearsInputError(
+        f"could not write {path}: {error.strerror or error} ({free}); {kept}. Free space "
+        "or write elsewhere (--out), then run again"
+    )
+
+
 def write_prediction(
     path: str | Path,
     labels: Sequence[str],
@@ -353,31 +684,50 @@ def write_prediction(
     logvar: np.ndarray | None = None,
     ctrl_mean: np.ndarray | None = None,
     chunk_bytes: int = CHUNK_BYTES,
+    counts: CountsSpec | None = None,
+    context: tuple[str, str] | None = None,
 ) -> tuple[CellPlan, dict]:
     """prediction_adata's cells written to an .h5ad a chunk of cells at a time, X as CSR float32
     (the layout `cell-eval prep` asks for; zeros not stored), so memory holds the control cells,
     the changes and one ~chunk_bytes chunk, never the output (60,000 cells x 18,080 genes is
-    4.3 GB dense). Atomic: written to a temporary file, then renamed. -> (its CellPlan, its uns)"""
+    4.3 GB dense). Atomic: written to a hidden temporary file, synced, then renamed; a write
+    that fails (a full disk) removes it, keeps any earlier file and raises one GearsInputError;
+    temporary files of killed writers are removed first. -> (its CellPlan, its uns)"""
     import h5py
     from anndata.io import write_elem
 
     _check_delta(delta, labels, controls)
     path = Path(path)
     plan = plan_cells(
-        labels, conditions, n_cells, controls, condition_key, control_label, n_control, seed
+        labels,
+        conditions,
+        n_cells,
+        controls,
+        condition_key,
+        control_label,
+        n_control,
+        seed,
+        context,
     )
     ctrl_X, delta32 = _dense_float32(controls.X), np.asarray(delta, np.float32)
     n, n_genes = len(plan.source), controls.n_vars
     step = max(1, chunk_bytes // (4 * n_genes))
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    if counts is not None:  # float64 rates, and draws keyed by blocks of ROWS_PER_DRAW cells
+        step = max(1, chunk_bytes // (8 * n_genes) // ROWS_PER_DRAW) * ROWS_PER_DRAW
+    uns = prediction_uns(labels, conditions, delta, logvar, ctrl_mean, condition_key, control_label)
+    if counts is not None:
+        uns[COUNTS_KEY] = counts_uns(counts)
+    remove_stale_temps(path)
+    tmp = temp_path(path)
     try:
-        with h5py.File(tmp, "w") as f:
+        handle = _GuardedFile(tmp)
+    except OSError as e:
+        raise write_error(path, e) from None
+    try:
+        with h5py.File(handle, "w") as f:
             f.attrs.update({"encoding-type": "anndata", "encoding-version": "0.1.0"})
             write_elem(f, "obs", plan.obs)
             write_elem(f, "var", pd.DataFrame(index=controls.var_names.astype(str)))
-            uns = prediction_uns(
-                labels, conditions, delta, logvar, ctrl_mean, condition_key, control_label
-            )
             write_elem(f, "uns", uns)
             for empty in ("obsm", "varm", "obsp", "varp", "layers"):
                 write_elem(f, empty, {})
@@ -393,8 +743,10 @@ def write_prediction(
                 layer = f["layers"].create_dataset(UNCERTAINTY_LAYER, (n, n_genes), np.float32)
                 layer.attrs.update({"encoding-type": "array", "encoding-version": "0.2.0"})
             for start in range(0, n, step):
+                if handle.error is not None:
+                    break  # the disk is full: stop computing what cannot be written
                 rows = slice(start, min(start + step, n))
-                chunk = sp.csr_matrix(predicted_rows(plan, ctrl_X, delta32, rows))
+                chunk = sp.csr_matrix(_rows_of(plan, ctrl_X, delta32, rows, counts))
                 stored = data.shape[0]
                 for dataset, values in ((data, chunk.data), (indices, chunk.indices)):
                     dataset.resize((stored + chunk.nnz,))
@@ -403,8 +755,13 @@ def write_prediction(
                 if layer is not None:
                     layer[rows] = _logvar_rows(plan, logvar, rows)
             X.create_dataset("indptr", data=indptr)
+        handle.sync()
+        handle.close()
+        if handle.error is not None:
+            raise write_error(path, handle.error)
         tmp.replace(path)
     finally:
+        handle.close()
         tmp.unlink(missing_ok=True)
     return plan, uns
 
@@ -419,8 +776,8 @@ def data_spelling(
     out = []
     for condition, label in zip(conditions, labels):
         genes = condition_genes(condition)
-        if condition in spelling:
-            out.append(spelling[condition])
+        if condition in spelling:  # without blanks: ' G000 ' in a file is G000
+            out.append(str(spelling[condition]).strip())
         elif bare and len(genes) == 1:
             out.append(genes[0])
         else:
@@ -445,10 +802,18 @@ def predict_cells(
     n_control: int | None = None,
     seed: int = 0,
     out: str | Path | None = None,
+    output: str = "lognorm",
+    sampler: str = DEFAULT_SAMPLER,
+    median_umi: Sequence[float] | None = None,
 ) -> ad.AnnData:
     """Predicted AnnData for perturbations spelled as the data spells them (see prediction_adata).
     With `out`, the cells are written there in chunks (write_prediction) and what is returned is
     the file's AnnData without X and layers (obs, var, uns): the expression stays on disk.
+
+    output: `lognorm` (log-normalised expression, as the model predicts it) or `counts`
+    (integer counts drawn by `sampler` at the control cells' depth, or at median_umi [P] per
+    perturbation; gears/counts.py). A model of one context (prediction.json 'context') writes
+    it to obs[its context key].
 
     One network forward per chunk of perturbations (GEARS.predict_changes), never one per cell.
     A network that reads the control cell x or covariates is refused: its cells need per-cell
@@ -462,10 +827,19 @@ def predict_cells(
             f"{'x' if reads_x(net) else list(declared_covariates(net))}: use "
             "GEARS.predict(..., covariates=...) for its predicted means"
         )
+    if output not in OUTPUTS:
+        raise GearsInputError(f"output must be one of {OUTPUTS}, got {output!r}")
+    check_seed(seed)
     control_names = [info.get("control_label", CTRL)]
     conditions = resolve_perturbations(labels, model.pert_data.node_map_pert, control_names)
     labels = data_spelling(conditions, labels, info.get("condition_spelling", {}))
     delta, logvar = model.predict_changes([condition_genes(c) for c in conditions])
+    counts = None
+    if output == "counts":
+        counts = counts_spec(info, controls, delta, sampler, seed, median_umi)
+    context = None
+    if info.get("context") is not None:
+        context = (info["context_key"], info["context"])
     args = (
         labels,
         conditions,
@@ -475,11 +849,25 @@ def predict_cells(
         info.get("condition_key", "condition"),
         info.get("control_label", CTRL),
     )
-    kwargs = dict(n_control=n_control, seed=seed, logvar=logvar, ctrl_mean=model.ctrl_expression)
+    kwargs = dict(
+        n_control=n_control,
+        seed=seed,
+        logvar=logvar,
+        ctrl_mean=model.ctrl_expression,
+        counts=counts,
+        context=context,
+    )
     if out is None:
         return prediction_adata(*args, **kwargs)
     plan, uns = write_prediction(out, *args, **kwargs)
     return ad.AnnData(obs=plan.obs, var=pd.DataFrame(index=controls.var_names.astype(str)), uns=uns)
+
+
+def check_seed(seed: int) -> int:
+    """Seeds are numpy's: whole numbers from 0 to 2**63 - 1."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**63:
+        raise GearsInputError(f"--seed must be a whole number from 0 to 2**63 - 1, got {seed}")
+    return int(seed)
 
 
 # -------------------------------------------------------------------------------- cell-eval

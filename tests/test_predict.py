@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -329,3 +330,147 @@ def test_prediction_file_passes_cell_eval_prep(vcc_run, tmp_path):
         exp_gene_dim=None,
     )
     assert (tmp_path / "p.prep.vcc").stat().st_size > 0
+
+
+# ------------------------------------------------------------- hostile inputs (one clear line)
+def test_out_that_is_a_directory_fails_before_any_prediction(vcc_run, tmp_path, capsys):
+    """--out naming a folder stops at once (it used to fail only after every cell was computed)."""
+    import gears.predict as gp
+
+    labels, _ = _perturbations(vcc_run)
+    calls = []
+    real_load = gp.load_model
+    gp.load_model = lambda *a, **k: calls.append(1) or real_load(*a, **k)
+    try:
+        argv = ["--model", str(vcc_run["model"]), "--perturbations", labels[0]]
+        (tmp_path / "dir.h5ad").mkdir()
+        code, err = _run_cli([*argv, "--out", str(tmp_path / "dir.h5ad")], capsys)
+    finally:
+        gp.load_model = real_load
+    assert code == 2 and "is a directory" in err and err.count("\n") == 1, err
+    assert not calls, "the model was loaded before --out was checked"
+
+
+def test_bad_numbers_in_the_request_are_one_line(vcc_run, tmp_path, capsys):
+    """--seed -1, n_cells 1e20 in a counts file and a huge --cells-per-perturbation used to end
+    in numpy's tracebacks (negative seed, int64 overflow / a memory error)."""
+    labels, _ = _perturbations(vcc_run)
+    base = ["--model", str(vcc_run["model"]), "--out", str(tmp_path / "p.h5ad")]
+    huge = tmp_path / "huge.csv"
+    huge.write_text(f"target_gene,n_cells\n{labels[0]},1e20\n")
+    cases = {
+        "--seed": [*base, "--perturbations", labels[0], "--seed", "-1"],
+        "n_cells must be whole numbers from 1": [*base, "--counts", str(huge)],
+        "--cells-per-perturbation must be": [
+            *base,
+            "--perturbations",
+            labels[0],
+            "--cells-per-perturbation",
+            str(10**20),
+        ],
+    }
+    for needle, argv in cases.items():
+        code, err = _run_cli(argv, capsys)
+        assert code == 2 and needle in err and err.count("\n") == 1, (needle, err)
+    assert not (tmp_path / "p.h5ad").exists()
+
+
+def test_empty_or_garbled_counts_file_is_one_line(vcc_run, tmp_path, capsys):
+    base = ["--model", str(vcc_run["model"]), "--out", str(tmp_path / "p.h5ad")]
+    empty = tmp_path / "empty.csv"
+    empty.write_text("")
+    binary = tmp_path / "binary.csv"
+    binary.write_bytes(b"\xff\xfe\x00\x81garbage\x00" * 50)
+    header_only = tmp_path / "header.csv"
+    header_only.write_text("target_gene,n_cells,median_umi_per_cell\n")
+    for path, needle in (
+        (empty, "empty or not a CSV"),
+        (binary, "--counts"),
+        (header_only, "no rows"),
+    ):
+        code, err = _run_cli([*base, "--counts", str(path)], capsys)
+        assert code == 2 and needle in err and err.count("\n") == 1, (path.name, err)
+        assert "Traceback" not in err
+
+
+def test_truncated_control_cells_file_is_one_line(vcc_run, tmp_path, capsys):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(vcc_run["model"], model)
+    cells = model / "control_cells.h5ad"
+    cells.write_bytes(cells.read_bytes()[: cells.stat().st_size // 3])
+    labels, _ = _perturbations(vcc_run)
+    argv = ["--model", str(model), "--perturbations", labels[0], "--out", str(tmp_path / "p.h5ad")]
+    code, err = _run_cli(argv, capsys)
+    assert code == 2 and "control_cells.h5ad" in err and "truncated or damaged" in err, err
+    assert err.count("\n") == 1
+
+
+def test_labels_with_blanks_are_written_without_them(vcc_run, tmp_path):
+    """A training file spelling a perturbation ' G000 ' (blanks around it): the model knows
+    G000, and predict.py's obs says 'G000', as the counts file and --perturbations do."""
+    cfg = vcc_run["cfg"]
+    raw = ad.read_h5ad(vcc_run["h5ad"])
+    gene = next(g for g in raw.obs["target_gene"].astype(str) if g != CONTROL)
+    raw.obs["target_gene"] = raw.obs["target_gene"].astype(str).replace(gene, f" {gene} ")
+    pert_data = PertData(tmp_path / "data", gene2go=cfg.data.gene2go, verbose=False)
+    pert_data.new_data_process("blanks", raw, normalize="log1p", write=False)
+    assert pert_data.condition_spelling[f"{gene}+ctrl"] == gene
+    pert_data.prepare_split("simulation_single", seed=1)
+    model = GEARS(pert_data, device="cpu")
+    model.model_initialize(hidden_size=8)
+    model.save_model(tmp_path / "model")
+    out = tmp_path / "p.h5ad"
+    predict_main(
+        ["--model", str(tmp_path / "model"), "--perturbations", f" {gene} ", "--out", str(out)]
+    )
+    assert set(ad.read_h5ad(out).obs["target_gene"].astype(str)) == {CONTROL, gene}
+
+
+def _limited_file_size(limit: int):
+    """preexec_fn: files this process writes stop at `limit` bytes (EFBIG, as a full disk
+    gives ENOSPC): the same failed write inside HDF5, without needing a small filesystem."""
+    import resource
+    import signal
+
+    def apply():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails instead of killing
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return apply
+
+
+@pytest.mark.slow
+def test_a_full_disk_while_writing_is_one_line_and_keeps_the_old_file(vcc_run, tmp_path):
+    """Before: h5py's RuntimeError on close, then a segmentation fault (exit 139). Now: exit 2,
+    one line naming the file, no temporary file left, the earlier output untouched."""
+    labels, _ = _perturbations(vcc_run)
+    out = tmp_path / "pred.h5ad"
+    out.write_bytes(b"an earlier prediction")
+    cmd = [sys.executable, "predict.py", "--model", str(vcc_run["model"]), "--out", str(out)]
+    cmd += ["--perturbations", ",".join(labels), "--cells-per-perturbation", "4000"]
+    run = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, preexec_fn=_limited_file_size(300_000)
+    )
+    assert run.returncode == 2, (run.returncode, run.stderr[-2000:])
+    assert run.stderr.startswith("error: could not write") and run.stderr.count("\n") == 1
+    assert out.read_bytes() == b"an earlier prediction"
+    assert not list(tmp_path.glob(".pred.h5ad.tmp*")), "temporary file left behind"
+
+
+def test_a_killed_writers_temporary_file_is_removed_by_the_next_run(vcc_run, tmp_path):
+    """SIGKILL mid-write leaves the hidden temporary file (.<name>.tmp<pid>; nothing can run on
+    a kill): the next write of the same output removes it; one of a writer still running stays."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    out = tmp_path / "pred.h5ad"
+    stale = tmp_path / f".pred.h5ad.tmp{dead.pid}"
+    stale.write_bytes(b"half an h5ad")
+    live = tmp_path / f".pred.h5ad.tmp{os.getppid()}"
+    live.write_bytes(b"another writer's")
+    labels, _ = _perturbations(vcc_run)
+    predict_main(
+        ["--model", str(vcc_run["model"]), "--perturbations", labels[0], "--out", str(out)]
+    )
+    assert out.exists() and not stale.exists() and live.exists()
