@@ -4,9 +4,11 @@ seeded sampler (the Virtual Cell Challenge 2026 scores raw counts).
 Training normalises raw counts y of a cell with library size L (its total) as
 x = log1p(y * T / L), T = data.normalize's target sum (the median total). Inverting it gives
 the cell's expected counts, its *rate*: rate = expm1(x) * L / T; a real cell's rate is its own
-counts again (`raw_counts`). A predicted cell is a real control cell plus GEARS's predicted
-change (gears.predict), so its rate keeps that control cell's library size and, with
-`--counts`, is rescaled to the requested median UMI per cell.
+counts again (`raw_counts`). normalize_total keeps only a cell's composition, so a predicted
+cell (a real control cell plus GEARS's predicted change in log space, gears.predict) is
+inverted as a composition, expm1(x) / sum(expm1(x)), times a library size
+(`composition_rates`): that control cell's, or, with `--counts`, that scaled to the requested
+median UMI per cell; its expected total is then exactly that depth.
 
 Samplers (`SAMPLERS`), all seeded, all with E[counts] = the rate they are given:
   poisson      counts ~ Poisson(rate): the rate's counts plus Poisson noise.
@@ -49,6 +51,20 @@ def rates(x: np.ndarray, library_size: np.ndarray, target_sum: float) -> np.ndar
     x = np.asarray(x, dtype=np.float64)
     scale = np.asarray(library_size, dtype=np.float64) / float(target_sum)
     return np.expm1(x) * scale[:, None]
+
+
+def composition_rates(x: np.ndarray, library_size: np.ndarray) -> np.ndarray:
+    """Expected counts of log-normalised cells drawn at a chosen depth: each cell's normalised
+    expression expm1(x) as a composition, times its library size L. normalize_total keeps only
+    a cell's composition, so this is its inverse at any depth; for a real cell at its own depth
+    it equals `rates` (its counts). A predicted cell (a control cell plus a change in log space)
+    need not sum to the target any more: its composition is kept and its total is L exactly.
+
+    x [cells, genes] (>= 0), library_size [cells] -> rate [cells, genes] float64."""
+    z = np.expm1(np.asarray(x, dtype=np.float64))
+    total = z.sum(axis=1, keepdims=True)
+    scale = np.asarray(library_size, dtype=np.float64)[:, None] / np.where(total > 0, total, 1.0)
+    return z * scale
 
 
 def raw_counts(x: np.ndarray, library_size: np.ndarray, target_sum: float) -> np.ndarray:

@@ -35,8 +35,8 @@ from gears.counts import (
     NB_MEAN_CELLS,
     ROWS_PER_DRAW,
     check_sampler,
+    composition_rates,
     control_dispersion,
-    rates,
     raw_counts,
     sample_rows,
 )
@@ -382,22 +382,22 @@ def counts_spec(
     if sampler == "nb":
         ctrl_X = _dense_float32(controls.X)
         theta = control_dispersion(raw_counts(ctrl_X, library, target), library)
-        unit = unit_rates(ctrl_X, np.asarray(delta, np.float32), float(target), seed)
+        unit = unit_rates(ctrl_X, np.asarray(delta, np.float32), seed)
     return CountsSpec(float(target), library, depth, sampler, int(seed), theta, unit)
 
 
-def unit_rates(
-    ctrl_X: np.ndarray, delta: np.ndarray, target_sum: float, seed: int = 0
-) -> np.ndarray:
-    """Each perturbation's mean predicted rate per library unit [P, G]: expm1 of (control cell
-    + change, clipped at 0) / target_sum, averaged over at most NB_MEAN_CELLS control cells."""
+def unit_rates(ctrl_X: np.ndarray, delta: np.ndarray, seed: int = 0) -> np.ndarray:
+    """Each perturbation's mean predicted composition [P, G] (its rate per unit of library
+    size): that of (control cell + change, clipped at 0), averaged over at most NB_MEAN_CELLS
+    control cells."""
     rng = np.random.default_rng(seed)
     pick = rng.permutation(len(ctrl_X))[:NB_MEAN_CELLS]
     base = ctrl_X[pick]
     out = np.empty(delta.shape, dtype=np.float64)
+    ones = np.ones(len(base))
     for p in range(len(delta)):
-        out[p] = np.expm1(np.maximum(base + delta[p], 0.0), dtype=np.float64).mean(0)
-    return out / target_sum
+        out[p] = composition_rates(np.maximum(base + delta[p], 0.0), ones).mean(0)
+    return out
 
 
 def counts_rows(
@@ -412,7 +412,7 @@ def counts_rows(
     hit = which >= 0
     library = spec.library_size[plan.source[rows]]
     library = library * np.where(hit, spec.depth[np.maximum(which, 0)], 1.0)
-    rate = rates(x, library, spec.target_sum)
+    rate = composition_rates(x, library)
     if spec.unit_rate is not None:
         rate[hit] = library[hit, None] * spec.unit_rate[which[hit]]
     out = sample_rows(rate, rows.start, spec.seed, spec.sampler, spec.theta)

@@ -44,6 +44,19 @@ def test_rates_invert_scanpys_normalisation_exactly():
     np.testing.assert_array_equal(counts.raw_counts(x, big.sum(1), 1e4), big)
 
 
+def test_composition_rates_keep_a_cells_composition_at_any_depth():
+    rng = np.random.default_rng(11)
+    raw = rng.poisson(rng.gamma(0.5, 4.0, (30, 50))).astype(np.float64) + (np.arange(50) == 0)
+    library = raw.sum(axis=1)
+    x = np.log1p(raw / library[:, None] * 1e4)
+    np.testing.assert_allclose(counts.composition_rates(x, library), raw, rtol=1e-9)
+    shifted = x + rng.normal(0, 0.5, x.shape).clip(-x)  # a predicted change: no longer sums to 1e4
+    rate = counts.composition_rates(shifted, 2 * library)
+    np.testing.assert_allclose(rate.sum(axis=1), 2 * library)
+    z = np.expm1(shifted)
+    np.testing.assert_allclose(rate / rate.sum(1, keepdims=True), z / z.sum(1, keepdims=True))
+
+
 def _variance(sampler, rate, theta=None):
     if sampler == "poisson":
         return rate
