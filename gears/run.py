@@ -50,6 +50,28 @@ def injected_delay(stage: str, rank: int) -> None:
         time.sleep(float(delays[stage]))
 
 
+def split_and_graphs(pert_data, cfg: Config):
+    """cfg's split of pert_data, and the model's graphs (GO, co-expression of its training
+    cells) built with cfg's settings. -> pert_data"""
+    split = cfg.split
+    pert_data.prepare_split(
+        split.type,
+        seed=split.seed,
+        train_gene_set_size=split.train_gene_set_size,
+        combo_seen2_train_frac=split.combo_seen2_train_frac,
+        combo_single_split_test_set_fraction=split.test_size,
+        split_dict_path=split.split_dict_path,
+        val_size=split.val_size,
+    )
+    # The model's graphs belong to the data step too: built here, before any process group
+    # exists, rank 0 first (it caches them in a shared store, which the others then read),
+    # instead of by every rank at once inside model_initialize while collectives wait
+    # (the co-expression graph takes minutes at genome scale).
+    pert_data.go_graph(cfg.data.go_top_k, cfg.data.go_threshold)
+    pert_data.coexpress_graph(cfg.data.coexpress_top_k, cfg.data.coexpress_threshold)
+    return pert_data
+
+
 def load_pert_data(cfg: Config, env: DistEnv, store=None):
     """Every rank's PertData; rank 0 first (downloads, writes caches), then the others read them.
 
@@ -73,7 +95,9 @@ def load_pert_data(cfg: Config, env: DistEnv, store=None):
             chunk_cells=cfg.data.chunk_cells,
         )
         if cfg.data.dataset == "synthetic":
-            pert_data.load("synthetic", synthetic_params=cfg.data.synthetic)
+            pert_data.load(
+                "synthetic", synthetic_params=cfg.data.synthetic, context_key=cfg.data.context_key
+            )
         else:
             pert_data.load(
                 data_name=cfg.data.dataset,
@@ -81,25 +105,13 @@ def load_pert_data(cfg: Config, env: DistEnv, store=None):
                 condition_key=cfg.data.condition_key,
                 control_names=tuple(cfg.data.control_names),
                 normalize=cfg.data.normalize,
+                context_key=cfg.data.context_key,
             )
-        pert_data.set_context_key(cfg.data.context_key)
-        split = cfg.split
-        pert_data.prepare_split(
-            split.type,
-            seed=split.seed,
-            train_gene_set_size=split.train_gene_set_size,
-            combo_seen2_train_frac=split.combo_seen2_train_frac,
-            combo_single_split_test_set_fraction=split.test_size,
-            split_dict_path=split.split_dict_path,
-            val_size=split.val_size,
-        )
-        # The model's graphs belong to the data step too: built here, before any process group
-        # exists, rank 0 first (it caches them in a shared store, which the others then read),
-        # instead of by every rank at once inside model_initialize while collectives wait
-        # (the co-expression graph takes minutes at genome scale).
-        pert_data.go_graph(cfg.data.go_top_k, cfg.data.go_threshold)
-        pert_data.coexpress_graph(cfg.data.coexpress_top_k, cfg.data.coexpress_threshold)
-        return pert_data
+        from gears.contexts import one_model_per_context
+
+        if one_model_per_context(cfg):
+            return pert_data  # split and graphed per context by gears.contexts.run_contexts
+        return split_and_graphs(pert_data, cfg)
 
     def staged():
         injected_delay("data", env.rank)
@@ -185,11 +197,19 @@ def run(cfg: Config, env: DistEnv, pert_data=None) -> dict | None:
     from gears.plotting import plot_history
 
     t_start = time.perf_counter()
+    from gears.contexts import one_model_per_context, run_contexts
+
+    if one_model_per_context(cfg) and getattr(pert_data, "context", None) is None:
+        return run_contexts(cfg, env, pert_data)  # one model per context, then a summary
     if cfg.eval.cell_eval:
         from gears.predict import require_cell_eval
 
         require_cell_eval()  # before training: say how to install it, not after an hour
     network_class(cfg.model.impl)  # a fork's class that cannot be found: said before the data
+    if cfg.eval.cell_eval2:
+        from gears.vcc2026 import require_cell_eval2
+
+        require_cell_eval2()
     seed_everything(cfg.seed)
     out = Path(cfg.out_dir)
     if env.is_main:
@@ -262,6 +282,12 @@ def run(cfg: Config, env: DistEnv, pert_data=None) -> dict | None:
                 results["cell_eval"] = cell_eval_test_scores(
                     cfg, pert_data, model, view["conditions"], baseline_means, out
                 )
+            if cfg.eval.cell_eval2:
+                from gears.vcc2026 import test_split_scores
+
+                results["cell_eval2"] = test_split_scores(
+                    cfg, pert_data, model.model, view["conditions"], baseline_means, out
+                )
         if has_train:
             results.update(train_fit(evaluator, pert_data, train_pred))
         eval_s = time.perf_counter() - t_eval
@@ -297,6 +323,10 @@ def run(cfg: Config, env: DistEnv, pert_data=None) -> dict | None:
                 from gears.predict import print_cell_eval_table
 
                 print_cell_eval_table(results["cell_eval"])
+            if results.get("cell_eval2"):
+                from gears.vcc2026 import print_vcc2026_table
+
+                print_vcc2026_table(results["cell_eval2"])
         print(
             f"\nwrote {out}/ (config.yaml, metrics.json, model/, checkpoints/, plots/) in "
             f"{results['timing']['total_s']:.1f}s",

@@ -414,10 +414,12 @@ def make_synthetic(
     mode: str = "crispra",
     seed: int = 0,
     keep_counts: bool = False,
+    counts_per_gene: float = _COUNTS_PER_GENE,
 ) -> SyntheticScreen:
     """Simulate a Perturb-seq screen (model in the module docstring); same seed, same screen.
 
     keep_counts: also keep the raw counts (before normalisation) in adata.layers['counts'].
+    counts_per_gene: the median library size over the number of genes (the depth).
 
     Every double's two genes are among the single-perturbation genes, so GEARS's `simulation`
     split finds combo_seen0/1/2 and unseen_single test conditions.
@@ -425,6 +427,8 @@ def make_synthetic(
     _validate(
         n_genes, n_single, n_double, cells_per_condition, n_control_cells, n_modules, mode, seed
     )
+    if not (isinstance(counts_per_gene, (int, float)) and 0 < counts_per_gene <= 1e4):
+        raise GearsInputError(f"counts_per_gene must be > 0 and <= 1e4, got {counts_per_gene!r}")
     rng = np.random.default_rng(seed)
     genes = _gene_names(n_genes)
     module, regulator_sign, grn, loading = _build_network(rng, n_genes, n_modules)
@@ -474,7 +478,7 @@ def make_synthetic(
     abundance = np.exp(gene_log_abundance - gene_log_abundance.max())
     abundance /= abundance.sum()
     dispersion = rng.uniform(0.05, 0.45, size=n_genes)
-    lib_median = _COUNTS_PER_GENE * n_genes
+    lib_median = counts_per_gene * n_genes
 
     # Cells: condition codes in a shuffled order, library sizes, module program activities (a
     # clamped gene ignores its program), gamma-Poisson counts.
@@ -691,6 +695,7 @@ def make_vcc2026_layout(
     contexts: tuple[str, ...] = VCC2026_CONTEXTS,
     n_modules: int = 6,
     seed: int = 0,
+    counts_per_gene: float = 40.0,
 ) -> tuple[anndata.AnnData, dict[str, set[str]]]:
     """A small CRISPRi screen laid out as the Virtual Cell Challenge 2026 describes its files:
     X [cells, genes] CSR float32 raw UMI counts, obs['target'] the bare symbol of the
@@ -701,7 +706,9 @@ def make_vcc2026_layout(
     contexts, each context then given its own baseline (every gene's counts thinned by a
     factor drawn from [0.4, 1]) and depth (library sizes thinned by a factor from [0.5, 1]),
     so contexts differ the way cell lines differ while the perturbations act alike.
-    Returns (adata, gene -> GO terms)."""
+    counts_per_gene: depth before thinning (median library size / genes; the 2025 layout's 8
+    gives a few hundred counts a cell at 60 genes, too shallow for cell-eval2's noise-corrected
+    expression members on a small panel). Returns (adata, gene -> GO terms)."""
     k = len(contexts)
     if k < 1 or len(set(contexts)) != k:
         raise GearsInputError(f"contexts must be distinct names, got {contexts}")
@@ -715,6 +722,7 @@ def make_vcc2026_layout(
         mode="crispri",
         seed=seed,
         keep_counts=True,
+        counts_per_gene=counts_per_gene,
     )
     src = screen.adata
     condition = src.obs["condition"].astype(str).values

@@ -1,0 +1,193 @@
+"""One model per context (data.context_key, e.g. the cell line): split, train and score each
+context on its own, then one summary of every context and their mean.
+
+A network that reads the context (it declares `covariates = ("context", ...)`) trains one model
+across contexts instead; `one_model_per_context` tells the two apart, and the joint model's
+per-context scoring uses the same data layer (`PertData.contexts`, `PertData.context_view`).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from gears import checkpoint as ckpt
+from gears.errors import GearsInputError
+
+SUMMARY_FILE = "contexts.json"  # context -> its run folder and model, for predict.py
+SUMMARY_METRICS = ("mse", "mse_de", "pearson_delta", "pearson_delta_de")
+
+
+def reads_context(network_class) -> bool:
+    """Whether a network reads each cell's context (and so trains across contexts)."""
+    return "context" in tuple(getattr(network_class, "covariates", ()))
+
+
+def one_model_per_context(cfg) -> bool:
+    """data.context_key is set and the configured network does not read the context."""
+    if cfg.data.context_key is None:
+        return False
+    from gears.model import NETWORKS
+
+    network = NETWORKS.get(cfg.model.impl)
+    return network is None or not reads_context(network)
+
+
+def context_folder(name: str) -> str:
+    """A context's run folder under out_dir."""
+    from gears.data.pertdata import _safe_name
+
+    return _safe_name(name)
+
+
+def run_contexts(cfg, env, pert_data=None) -> dict | None:
+    """Train, evaluate and score one model per context, one after another, each in
+    out_dir/<context>/ (a whole run folder: config.yaml, metrics.json, model/ ...), with the
+    same config and seeds; then out_dir/metrics.json (every context's test metrics and 2026
+    scores, and their mean over contexts), out_dir/contexts.json and a printed table.
+    pert_data: the whole data (not split), loaded here when None."""
+    from gears.run import load_pert_data, run, split_and_graphs
+
+    if env.world_size > 1:
+        raise GearsInputError(
+            "data.context_key trains one model per context, one after another, in one "
+            "process; run it with train_single.py, or launch one context at a time with "
+            "data.subset={<context column>: <context>} and data.context_key=null"
+        )
+    if cfg.eval.cell_eval:
+        from gears.predict import require_cell_eval
+
+        require_cell_eval()
+    if cfg.eval.cell_eval2:
+        from gears.vcc2026 import require_cell_eval2
+
+        require_cell_eval2()  # before any context trains
+    out = Path(cfg.out_dir)
+    if pert_data is None:
+        pert_data = load_pert_data(cfg, env)
+    contexts = pert_data.contexts
+    if not contexts:
+        raise GearsInputError(f"data.context_key={cfg.data.context_key!r} names no context")
+    if env.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        cfg.save(out / "config.yaml")
+        print(
+            f"{len(contexts)} contexts in obs[{cfg.data.context_key!r}]: {contexts}; one model "
+            "each, one after another",
+            flush=True,
+        )
+    per_context = {}
+    for name in contexts:
+        sub = copy.deepcopy(cfg)
+        sub.out_dir = str(out / context_folder(name))
+        if env.is_main:
+            print(f"\n=== context {name!r} -> {sub.out_dir}", flush=True)
+        view = split_and_graphs(pert_data.context_view(name), sub)
+        per_context[name] = run(sub, env, pert_data=view)
+    if not env.is_main:
+        return None
+    summary = summarize(cfg.data.context_key, per_context)
+    summary["folders"] = {name: context_folder(name) for name in contexts}
+    text = json.dumps(summary, indent=1)
+    ckpt.atomic_write(out / "metrics.json", lambda tmp: tmp.write_text(text))
+    index = {
+        "context_key": cfg.data.context_key,
+        "contexts": {name: f"{context_folder(name)}/model" for name in contexts},
+    }
+    index_text = json.dumps(index, indent=1)
+    ckpt.atomic_write(out / SUMMARY_FILE, lambda tmp: tmp.write_text(index_text))
+    print_contexts_table(summary)
+    print(f"\nwrote {out}/ (metrics.json, {SUMMARY_FILE}, one folder per context)", flush=True)
+    return summary
+
+
+def summarize(context_key: str, per_context: dict[str, dict]) -> dict:
+    """Every context's test metrics (GEARS and baselines) and vcc2026 scores, and their mean
+    over the contexts that have them."""
+    contexts = {}
+    for name, res in per_context.items():
+        entry = {
+            "test": res.get("test", {}),
+            "baselines": res.get("baselines", {}),
+            "best_epoch": res.get("best_epoch"),
+            "n_test_perturbations": res.get("test", {}).get("n_conditions"),
+        }
+        if res.get("cell_eval2"):
+            entry["cell_eval2"] = res["cell_eval2"]
+        if res.get("cell_eval"):
+            entry["cell_eval"] = res["cell_eval"]
+        contexts[name] = entry
+    mean = {"test": _mean_of([c["test"] for c in contexts.values()]), "baselines": {}}
+    names = sorted({b for c in contexts.values() for b in c["baselines"]})
+    for b in names:
+        mean["baselines"][b] = _mean_of([c["baselines"].get(b, {}) for c in contexts.values()])
+    scored = [c["cell_eval2"] for c in contexts.values() if "cell_eval2" in c]
+    if scored:
+        mean["cell_eval2"] = {}
+        predictors = sorted({p for s in scored for p in s["predictors"]})
+        for p in predictors:
+            rows = [s["predictors"][p] for s in scored if p in s["predictors"]]
+            mean["cell_eval2"][p] = {
+                "scaled": _mean_of([r["scaled"] for r in rows]),
+                "raw": _mean_of([r["raw"] for r in rows]),
+                "score": _mean_of([{"score": r["score"]} for r in rows]).get("score"),
+                "n_contexts": len(rows),
+            }
+    return {"context_key": context_key, "contexts": contexts, "mean_over_contexts": mean}
+
+
+def _mean_of(rows: list[dict]) -> dict:
+    """Per key, the mean of the finite numbers the rows hold (None when none has one)."""
+    keys = sorted({k for r in rows for k, v in r.items() if isinstance(v, (int, float))})
+    out = {}
+    for k in keys:
+        vals = [float(r[k]) for r in rows if isinstance(r.get(k), (int, float))]
+        vals = [v for v in vals if math.isfinite(v)]
+        out[k] = float(np.mean(vals)) if vals else None
+    return out
+
+
+def print_contexts_table(summary: dict) -> None:
+    """Test metrics per context and their mean (GEARS and each baseline); then each
+    predictor's vcc2026 score per context."""
+    contexts = list(summary["contexts"])
+    cols = [*contexts, "mean"]
+    width = 36
+    print(
+        "\nper context: test metrics (mean over perturbations; lower mse is better, higher "
+        "pearson is better), then their mean over contexts"
+    )
+    print("".ljust(width) + "".join(c[:11].rjust(12) for c in cols))
+    mean = summary["mean_over_contexts"]
+    predictors = ["gears", *mean["baselines"]]
+    for p in predictors:
+        for m in SUMMARY_METRICS:
+            vals = []
+            for c in contexts:
+                row = summary["contexts"][c]
+                src = row["test"] if p == "gears" else row["baselines"].get(p, {})
+                vals.append(src.get(m))
+            vals.append((mean["test"] if p == "gears" else mean["baselines"].get(p, {})).get(m))
+            print(f"{p} {m}".ljust(width) + "".join(_cell(v) for v in vals))
+    if "cell_eval2" not in mean:
+        return
+    print(
+        "\nper context: cell-eval2 vcc2026 score (mean of the scaled members; 0 = the "
+        "mean-response baseline, 1 = a replicate)"
+    )
+    print("".ljust(width) + "".join(c[:11].rjust(12) for c in cols))
+    for p in mean["cell_eval2"]:
+        vals = []
+        for c in contexts:
+            ce = summary["contexts"][c].get("cell_eval2", {}).get("predictors", {})
+            vals.append(ce.get(p, {}).get("score"))
+        vals.append(mean["cell_eval2"][p]["score"])
+        print(f"{p} score".ljust(width) + "".join(_cell(v) for v in vals))
+
+
+def _cell(value) -> str:
+    return ("-" if value is None else f"{value:.4f}").rjust(12)
