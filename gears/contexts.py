@@ -136,6 +136,10 @@ def summarize(context_key: str, per_context: dict[str, dict]) -> dict:
                 "raw": _mean_of([r["raw"] for r in rows]),
                 "score": _mean_of([{"score": r["score"]} for r in rows]).get("score"),
                 "n_contexts": len(rows),
+                # a member unscored in a context is left out of its mean: say over how many
+                "n_contexts_scaled": {
+                    m: sum(r["scaled"].get(m) is not None for r in rows) for m in rows[0]["scaled"]
+                },
             }
     return {"context_key": context_key, "contexts": contexts, "mean_over_contexts": mean}
 

@@ -215,7 +215,10 @@ def read_counts(
     if frame.empty:
         raise GearsInputError(f"--counts file {path} has no rows")
     candidates = (condition_key, "target", "target_gene")
-    key = next((k for k in candidates if k in frame.columns), frame.columns[0])
+    others = [c for c in frame.columns if c not in ("n_cells", "median_umi_per_cell", context_col)]
+    key = next((k for k in candidates if k in frame.columns), others[0] if others else None)
+    if key is None:
+        raise GearsInputError(f"--counts file {path} has no perturbation column")
     labels = frame[key].astype(str).str.strip()
     counts = pd.to_numeric(frame["n_cells"], errors="coerce")
     bad = counts.isna() | (counts < 1) | (counts % 1 != 0) | (counts > MAX_CELLS_PER_PERTURBATION)
