@@ -203,13 +203,14 @@ def score_vcc2026(
         if not math.isfinite(baseline.get(m, math.nan)):
             unscored[m] = "no baseline value: no perturbation passes its reference-side gate"
     members = [m for m in members if m not in unscored]
+    computed = list(members)  # raw values of these are reported even if they get no scale
 
     def replicate_of(members):
         _, anchor = compute_replicate_anchor(real, config=replace(cfg, metrics=members))
         return dict(zip(anchor["metric"].to_list(), anchor["replicate"].to_list()))
 
     replicate, members = _scoring_members(replicate_of, members, unscored)
-    scored_cfg = replace(cfg, metrics=members)
+    scored_cfg = replace(cfg, metrics=computed)
     names = metric_output_names(scored_cfg)
     scalable = []
     for m in members:
