@@ -44,14 +44,16 @@ def context_folder(name: str) -> str:
     return _safe_name(name)
 
 
-def run_contexts(cfg, env, pert_data=None) -> dict | None:
+def run_contexts(cfg, env, pert_data, *, load, prepare, run_one) -> dict | None:
     """Train, evaluate and score one model per context, one after another, each in
     out_dir/<context>/ (a whole run folder: config.yaml, metrics.json, model/ ...), with the
     same config and seeds; then out_dir/metrics.json (every context's test metrics and 2026
     scores, and their mean over contexts), out_dir/contexts.json and a printed table.
-    pert_data: the whole data (not split), loaded here when None."""
-    from gears.run import load_pert_data, run, split_and_graphs
 
+    pert_data: the whole data (not split), or None to load it with load(cfg, env);
+    prepare(view, cfg) splits a context's view and builds its graphs; run_one(cfg, env,
+    pert_data=view) trains and scores it (gears.run passes its own; this module imports
+    nothing of gears.run, which dispatches here)."""
     if env.world_size > 1:
         raise GearsInputError(
             "data.context_key trains one model per context, one after another, in one "
@@ -68,7 +70,7 @@ def run_contexts(cfg, env, pert_data=None) -> dict | None:
         require_cell_eval2()  # before any context trains
     out = Path(cfg.out_dir)
     if pert_data is None:
-        pert_data = load_pert_data(cfg, env)
+        pert_data = load(cfg, env)
     contexts = pert_data.contexts
     if not contexts:
         raise GearsInputError(f"data.context_key={cfg.data.context_key!r} names no context")
@@ -86,8 +88,8 @@ def run_contexts(cfg, env, pert_data=None) -> dict | None:
         sub.out_dir = str(out / context_folder(name))
         if env.is_main:
             print(f"\n=== context {name!r} -> {sub.out_dir}", flush=True)
-        view = split_and_graphs(pert_data.context_view(name), sub)
-        per_context[name] = run(sub, env, pert_data=view)
+        view = prepare(pert_data.context_view(name), sub)
+        per_context[name] = run_one(sub, env, pert_data=view)
     if not env.is_main:
         return None
     summary = summarize(cfg.data.context_key, per_context)

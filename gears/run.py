@@ -200,7 +200,10 @@ def run(cfg: Config, env: DistEnv, pert_data=None) -> dict | None:
     from gears.contexts import one_model_per_context, run_contexts
 
     if one_model_per_context(cfg) and getattr(pert_data, "context", None) is None:
-        return run_contexts(cfg, env, pert_data)  # one model per context, then a summary
+        # one model per context, then a summary
+        return run_contexts(
+            cfg, env, pert_data, load=load_pert_data, prepare=split_and_graphs, run_one=run
+        )
     if cfg.eval.cell_eval:
         from gears.predict import require_cell_eval
 
