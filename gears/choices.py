@@ -33,4 +33,5 @@ CHOICES = {
     "eval.control_mean": ("all", "paired"),
     "data.normalize": ("none", "log1p"),
     "eval.counts_sampler": SAMPLERS,
+    "data.context_models": ("auto", "per_context", "joint"),
 }

@@ -50,6 +50,9 @@ class DataConfig:
     # none: X is log-normalised already; log1p: X holds raw counts (the Virtual Cell Challenge's
     # file): scale each cell to the median total count, then log1p, as cell-eval does.
     normalize: str = "none"
+    # With context_key: `auto` trains one model per context unless the network reads the
+    # context (then one model across contexts); `per_context` or `joint` choose either.
+    context_models: str = "auto"
 
 
 @dataclass

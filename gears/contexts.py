@@ -28,9 +28,12 @@ def reads_context(network_class) -> bool:
 
 
 def one_model_per_context(cfg) -> bool:
-    """data.context_key is set and the configured network does not read the context."""
-    if cfg.data.context_key is None:
+    """data.context_key is set, and data.context_models is per_context, or auto with a
+    network that does not read the context."""
+    if cfg.data.context_key is None or cfg.data.context_models == "joint":
         return False
+    if cfg.data.context_models == "per_context":
+        return True
     from gears.model import NETWORKS
 
     network = NETWORKS.get(cfg.model.impl)

@@ -72,8 +72,10 @@ def split_and_graphs(pert_data, cfg: Config):
     return pert_data
 
 
-def load_pert_data(cfg: Config, env: DistEnv, store=None):
+def load_pert_data(cfg: Config, env: DistEnv, store=None, split: bool = True):
     """Every rank's PertData; rank 0 first (downloads, writes caches), then the others read them.
+    split=False: loaded only, not split and without graphs (gears.contexts splits each
+    context's view).
 
     The ranks wait for each other on a store (`build_in_stages`, distributed.data_wait_s), never
     in a collective: train_distributed.py passes the rendezvous store before the process group
@@ -107,11 +109,7 @@ def load_pert_data(cfg: Config, env: DistEnv, store=None):
                 normalize=cfg.data.normalize,
                 context_key=cfg.data.context_key,
             )
-        from gears.contexts import one_model_per_context
-
-        if one_model_per_context(cfg):
-            return pert_data  # split and graphed per context by gears.contexts.run_contexts
-        return split_and_graphs(pert_data, cfg)
+        return split_and_graphs(pert_data, cfg) if split else pert_data
 
     def staged():
         injected_delay("data", env.rank)
@@ -201,8 +199,11 @@ def run(cfg: Config, env: DistEnv, pert_data=None) -> dict | None:
 
     if one_model_per_context(cfg) and getattr(pert_data, "context", None) is None:
         # one model per context, then a summary
+        def load_unsplit(cfg, env):
+            return load_pert_data(cfg, env, split=False)
+
         return run_contexts(
-            cfg, env, pert_data, load=load_pert_data, prepare=split_and_graphs, run_one=run
+            cfg, env, pert_data, load=load_unsplit, prepare=split_and_graphs, run_one=run
         )
     if cfg.eval.cell_eval:
         from gears.predict import require_cell_eval

@@ -26,7 +26,7 @@ from gears.data.synthetic import make_vcc2026_layout, write_vcc2026_example
 from gears.distributed import DistEnv
 from gears.errors import GearsInputError
 from gears.predict import read_counts
-from gears.run import guarded, run
+from gears.run import guarded, load_pert_data, run
 from gears.vcc2026 import MEMBERS
 from predict import main as predict_main
 
@@ -161,6 +161,45 @@ def test_a_counts_file_without_the_models_context_is_named(files):
     assert request.median_umi == dict(zip(frame["target"], frame["median_umi_per_cell"]))
     with pytest.raises(GearsInputError, match="no rows for context 'lineC'.*lineA"):
         read_counts(files["counts"], "target", "cell_line", "lineC")
+
+
+# ------------------------------------------------- one model per context or one across them
+def _config(files, tmp_path, *overrides):
+    return load_config(
+        ROOT / "configs" / "vcc2026.yaml",
+        [
+            f"data.dataset={files['training']}",
+            f"data.gene2go={files['gene2go']}",
+            "data.gene_aliases=null",
+            f"data.data_dir={tmp_path / 'data'}",
+            "wandb.mode=disabled",
+            *overrides,
+        ],
+        base=ROOT / "configs" / "default.yaml",
+    )
+
+
+def test_context_models_chooses_one_model_per_context_or_one_across(files, tmp_path):
+    from gears.contexts import one_model_per_context, reads_context
+
+    assert one_model_per_context(_config(files, tmp_path))  # auto: GEARS reads no context
+    assert one_model_per_context(_config(files, tmp_path, "data.context_models=per_context"))
+    assert not one_model_per_context(_config(files, tmp_path, "data.context_models=joint"))
+    assert not one_model_per_context(_config(files, tmp_path, "data.context_key=null"))
+
+    class ReadsContext:
+        covariates = ("context", "dose")
+
+    assert reads_context(ReadsContext) and not reads_context(object)
+    with pytest.raises(GearsInputError, match="data.context_models"):
+        _config(files, tmp_path, "data.context_models=both")
+    # Loading is loading, whatever trains on it: the whole data split, every context in it
+    # (a model across contexts, or one scored on a context's cells, needs the split); only the
+    # per-context driver asks for it unsplit.
+    pert = load_pert_data(_config(files, tmp_path), DistEnv())
+    assert pert.contexts == ["lineA", "lineB"] and pert.set2conditions["test"]
+    unsplit = load_pert_data(_config(files, tmp_path), DistEnv(), split=False)
+    assert unsplit.contexts == ["lineA", "lineB"] and unsplit.set2conditions is None
 
 
 # ------------------------------------------------------------------------ one run, contexts
