@@ -42,13 +42,10 @@ def run_measured(cmd: list[str]) -> tuple[float, float]:
     return wall, usage.ru_maxrss / 1024  # Linux reports kB
 
 
-def train(work: Path, genes: int) -> Path:
-    """A one-epoch model on a 2026-layout raw-count screen of `genes` genes -> its run dir."""
+def write_screen(work: Path, genes: int) -> tuple[Path, Path]:
+    """A 2026-layout raw-count screen of `genes` genes and its GO file -> their paths."""
     from gears.data.synthetic import make_vcc2026_layout, write_gene2go_tsv
 
-    run_dir = work / f"run_{genes}"
-    if (run_dir / "model" / "model.pt").exists():
-        return run_dir
     work.mkdir(parents=True, exist_ok=True)
     adata, gene2go = make_vcc2026_layout(
         n_genes=genes,
@@ -60,7 +57,21 @@ def train(work: Path, genes: int) -> Path:
     )
     h5ad = work / f"screen_{genes}.h5ad"
     adata.write_h5ad(h5ad)
-    go = write_gene2go_tsv(gene2go, work / f"gene2go_{genes}.tsv")
+    return h5ad, write_gene2go_tsv(gene2go, work / f"gene2go_{genes}.tsv")
+
+
+def train(work: Path, genes: int) -> Path:
+    """A one-epoch model on a 2026-layout raw-count screen of `genes` genes -> its run dir.
+    The screen is made in a process of its own, as the training is: a child's peak RSS
+    (ru_maxrss) starts at its parent's memory high-water mark (Linux carries it across fork and
+    exec), so a bench process that had built the screen itself (~12 GB at 18,080 genes) gave
+    every predict.py it measured that peak."""
+    run_dir = work / f"run_{genes}"
+    if (run_dir / "model" / "model.pt").exists():
+        return run_dir
+    script = [sys.executable, __file__, "--genes", str(genes), "--work", str(work)]
+    subprocess.run([*script, "--write-screen"], cwd=ROOT, check=True)
+    h5ad, go = work / f"screen_{genes}.h5ad", work / f"gene2go_{genes}.tsv"
     cmd = [
         sys.executable,
         "train_single.py",
@@ -85,8 +96,12 @@ def main(argv=None) -> dict:
     p.add_argument("--median-umi", type=float, default=20_000.0)
     p.add_argument("--work", default="/tmp/gears_bench_predict")
     p.add_argument("--json", default=None)
+    p.add_argument("--write-screen", action="store_true", help="write the screen, then exit")
     args = p.parse_args(argv)
     work = Path(args.work)
+    if args.write_screen:
+        write_screen(work, args.genes)
+        return {}
     run_dir = train(work, args.genes)
     meta = json.loads((run_dir / "model" / "config.json").read_text())
     info = json.loads((run_dir / "model" / "prediction.json").read_text())
