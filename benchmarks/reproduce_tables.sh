@@ -24,7 +24,10 @@
 #   default_run                  docs/model_selection.md, README.md: the main job's wall time and
 #                                peak memory at 1 thread
 #   vcc_example                  docs/predictions.md: the synthetic VCC example's cell-eval table
-#   bench_predict                docs/predictions.md: predict.py at challenge size
+#   bench_predict                docs/predictions.md: predict.py at challenge size (cells and counts)
+#   counts_samplers              docs/predictions.md: the counts samplers on the vcc2026 preset
+#   challenge_scores             docs/predictions.md: the 2026 example's and mcfaline23's vcc2026
+#                                scores per context (vcc2026_scores.json; requirements-eval.txt)
 #   bench_train                  docs/performance.md: cells/s against the bare bound
 #   bench_distributed            docs/performance.md: 2 gloo processes against 1
 #   bench_scale                  docs/large_screens.md: Norman, VCC and Replogle sizes, memory
@@ -34,7 +37,7 @@ cd "$(dirname "$0")/.."
 WORK=${WORK:-/tmp/gears_tables}
 RESULTS_TABLES="seeds_default seeds_norman seeds_gears_paper control_mean vs_cell_gears"
 ALL_TABLES="$RESULTS_TABLES vs_cell_gears_large reference_cost check_model compare_contexts \
-default_run vcc_example bench_predict bench_train bench_distributed bench_scale suite"
+default_run vcc_example bench_predict counts_samplers challenge_scores bench_train bench_distributed bench_scale suite"
 TABLES=${TABLES:-$RESULTS_TABLES}
 [ "$TABLES" = all ] && TABLES=$ALL_TABLES
 RESULTS=benchmarks/results
@@ -166,6 +169,12 @@ PY
         bench_predict)
             python benchmarks/bench_predict.py --work "$WORK/bench_predict" \
                 --json "$RESULTS/bench_predict.json" ;;
+        counts_samplers)
+            python benchmarks/counts_samplers.py --draws 3 --work "$WORK/counts_samplers" \
+                --json "$RESULTS/counts_samplers.json" ;;
+        challenge_scores)
+            python benchmarks/vcc2026_scores.py --work "$WORK/vcc2026_scores" \
+                --json "$RESULTS/vcc2026_scores.json" ;;
         bench_train)
             OMP_NUM_THREADS=1 python benchmarks/bench_train.py --threads 1 --no-memory \
                 --json "$RESULTS/bench_train.json" ;;

@@ -8,7 +8,8 @@ Runs, under --work (a step whose output is already there is not run again):
     configs/vcc2026.yaml with eval.cell_eval2=true (input_type counts), then predict.py
     --output counts on the validation perturbations and `cell-eval2 run --preset vcc2026` on
     each context's file (raw values only: the official CLI has no rescaling without a bundle);
-  - mcfaline23: configs/mcfaline23.yaml with eval.cell_eval2=true (log-normalised data:
+  - mcfaline23: configs/perturbench_mcfaline23.yaml one model per line (data.context_key
+    cell_type, its per-line command) with eval.cell_eval2=true (log-normalised data:
     input_type lognorm, not the challenge's counts score).
 Each context's test split is scored as in every run (gears/vcc2026.py): each member raw and
 rescaled, 0 = cell-eval2's mean-response baseline, 1 = its replicate anchor on the same cells.
@@ -161,7 +162,11 @@ def main(argv=None) -> dict:
             PY,
             "train_single.py",
             "--config",
-            "configs/mcfaline23.yaml",
+            "configs/perturbench_mcfaline23.yaml",
+            "data.context_key=cell_type",
+            "split.type=simulation_single",
+            "split.train_gene_set_size=0.6",
+            "train.epochs=20",
             "eval.cell_eval2=true",
             f"out_dir={mcf}",
             f"data.data_dir={work / 'mcfdata'}",

@@ -7,7 +7,7 @@ each split seed it trains
   - context_gears: examples/context_gears.py, one model on all three lines with a context
     embedding (data.context_key=cell_type);
   - gears_pooled: GEARS on all three lines, blind to the line (each cell still paired with a
-    control cell of its own line);
+    control cell of its own line; data.context_models=joint);
   - gears_per_line: GEARS on one line's cells (data.subset.cell_type=...), three models;
 then scores every model on each line's own data (its cells, control mean and DE genes: the
 config with data.subset.cell_type=<line>) on the same test perturbations, and prints the mean
@@ -81,7 +81,10 @@ def main(argv=None) -> int:
         split = load_pert_data(across_cfg, DistEnv()).set2conditions["test"]
         trained_on_test = tuple(sorted(c for c in split if c != "ctrl"))
         pooled = folder / "gears_pooled"
-        run(config(seed, pooled, "data.context_key=cell_type"), DistEnv())
+        run(
+            config(seed, pooled, "data.context_key=cell_type", "data.context_models=joint"),
+            DistEnv(),
+        )
         for line in LINES:
             alone = folder / f"gears_{line}"
             run(config(seed, alone, f"data.subset.cell_type={line}"), DistEnv())

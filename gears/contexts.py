@@ -34,10 +34,9 @@ def one_model_per_context(cfg) -> bool:
         return False
     if cfg.data.context_models == "per_context":
         return True
-    from gears.model import NETWORKS
+    from gears.model import network_class
 
-    network = NETWORKS.get(cfg.model.impl)
-    return network is None or not reads_context(network)
+    return not reads_context(network_class(cfg.model.impl))
 
 
 def context_folder(name: str) -> str:

@@ -211,9 +211,10 @@ def run(cfg: Config, env: DistEnv, pert_data=None) -> dict | None:
         require_cell_eval()  # before training: say how to install it, not after an hour
     network_class(cfg.model.impl)  # a fork's class that cannot be found: said before the data
     if cfg.eval.cell_eval2:
-        from gears.vcc2026 import require_cell_eval2
+        from gears.vcc2026 import require_cell_eval2, require_scorable
 
         require_cell_eval2()
+        require_scorable(cfg, network_class(cfg.model.impl), one_model_per_context(cfg))
     seed_everything(cfg.seed)
     out = Path(cfg.out_dir)
     if env.is_main:

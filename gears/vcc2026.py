@@ -65,6 +65,27 @@ def require_cell_eval2() -> None:
         raise GearsInputError(INSTALL) from None
 
 
+def require_scorable(cfg, network, per_context: bool) -> None:
+    """eval.cell_eval2 scores one context's model at a time, its test cells turned into cells
+    as predict.py writes them (a saved control cell plus its perturbation's change): one model
+    across contexts, or a network that reads the control cell or covariates, is refused before
+    training, by name. per_context: gears.contexts.one_model_per_context(cfg)."""
+    from gears.model.batch import declared_covariates, reads_x
+
+    if reads_x(network) or declared_covariates(network):
+        reads = "x" if reads_x(network) else list(declared_covariates(network))
+        raise GearsInputError(
+            f"eval.cell_eval2 scores networks that read neither the control cell nor "
+            f"covariates; {network.__name__} reads {reads}: set eval.cell_eval2=false, or "
+            "train one model per context with a network that does not read the context"
+        )
+    if cfg.data.context_key is not None and not per_context:
+        raise GearsInputError(
+            "eval.cell_eval2 scores each context on its own, one model per context: set "
+            "data.context_models=auto (or per_context), or eval.cell_eval2=false"
+        )
+
+
 def vcc2026_config(
     pert_col: str,
     control: str,

@@ -202,6 +202,33 @@ def test_context_models_chooses_one_model_per_context_or_one_across(files, tmp_p
     assert unsplit.contexts == ["lineA", "lineB"] and unsplit.set2conditions is None
 
 
+def test_a_network_reading_the_context_trains_across_contexts(files, tmp_path):
+    from gears.contexts import one_model_per_context
+
+    fork = f"model.impl={ROOT / 'examples' / 'context_gears.py'}:ContextGEARS"
+    assert not one_model_per_context(_config(files, tmp_path, fork))
+    assert one_model_per_context(_config(files, tmp_path, fork, "data.context_models=per_context"))
+
+
+def test_cell_eval2_refuses_what_it_cannot_score_per_context(files, tmp_path):
+    """eval.cell_eval2 scores one context's model at a time, from cells built as predict.py
+    builds them: one model across contexts (it would mix the contexts' real cells) and a
+    network that reads covariates are refused before training."""
+    from gears.contexts import one_model_per_context
+    from gears.model import network_class
+    from gears.vcc2026 import require_scorable
+
+    fast = network_class("fast")
+    per_context = _config(files, tmp_path)
+    require_scorable(per_context, fast, one_model_per_context(per_context))
+    joint = _config(files, tmp_path, "data.context_models=joint")
+    with pytest.raises(GearsInputError, match="one model per context"):
+        require_scorable(joint, fast, one_model_per_context(joint))
+    fork = network_class(f"{ROOT / 'examples' / 'context_gears.py'}:ContextGEARS")
+    with pytest.raises(GearsInputError, match=r"ContextGEARS reads \['context'\]"):
+        require_scorable(per_context, fork, True)
+
+
 # ------------------------------------------------------------------------ one run, contexts
 @pytest.fixture(scope="module")
 def run2026(files, tmp_path_factory) -> dict:
