@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from gears.data.splits import SPLIT_TYPES
+from gears.choices import CHOICES
 from gears.errors import GearsInputError
 
 
@@ -187,23 +187,6 @@ class Config:
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
-
-
-CHOICES = {
-    "model.impl": ("fast", "reference"),
-    "train.schedule": ("step", "cosine", "constant"),
-    "train.precision": ("fp32", "bf16", "fp16"),
-    "train.optimizer": ("adam", "adamw", "sgd"),
-    "train.select": ("last", "val_mse", "val_mse_de"),
-    "train.batching": ("random", "grouped", "block"),
-    "distributed.backend": ("auto", "nccl", "gloo"),
-    "wandb.mode": ("disabled", "offline", "online"),
-    "split.type": SPLIT_TYPES,
-    "data.unmapped_perts": ("error", "drop", "keep"),
-    "data.store": ("auto", "memory", "mmap"),
-    "eval.control_mean": ("all", "paired"),
-    "data.normalize": ("none", "log1p"),
-}
 
 
 INT64 = 2**63

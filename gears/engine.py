@@ -20,7 +20,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gears import checkpoint as ckpt
-from gears.config import CHOICES, DistributedConfig, ModelConfig, TrainConfig, check_impl
+from gears.choices import CHOICES
+from gears.config import DistributedConfig, ModelConfig, TrainConfig, check_impl
 from gears.device import to_device, to_host
 from gears.distributed import (
     DistEnv,
@@ -117,11 +118,14 @@ def make_optimizer(
 
 
 def make_scheduler(opt: torch.optim.Optimizer, cfg: TrainConfig):
+    """The learning-rate schedule train.schedule names, stepped once per epoch."""
     if cfg.schedule == "step":  # GEARS: halve the learning rate after every epoch
         return torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=cfg.step_gamma)
     if cfg.schedule == "cosine":
         return torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(cfg.epochs, 1))
-    return torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+    if cfg.schedule == "constant":
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+    raise GearsInputError(f"unknown train.schedule {cfg.schedule!r}: {CHOICES['train.schedule']}")
 
 
 def selection_score(rule: str, val: dict, loss: float, epoch: int) -> float:

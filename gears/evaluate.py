@@ -6,7 +6,7 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
-from gears.config import CHOICES
+from gears.choices import CHOICES
 from gears.data.conditions import CTRL
 from gears.device import to_device, to_host
 from gears.distributed import DistEnv, all_gather_objects

@@ -18,7 +18,7 @@ from gears.api import GEARS
 from gears.config import DistributedConfig, ModelConfig, TrainConfig
 from gears.data.pertdata import PertData
 from gears.distributed import DistEnv
-from gears.engine import Trainer, autocast_dtype, seed_everything
+from gears.engine import Trainer, autocast_dtype, make_scheduler, seed_everything
 from gears.errors import GearsInputError
 
 
@@ -193,6 +193,15 @@ def test_fp16_on_cpu_is_a_clear_error():
         autocast_dtype("fp16", torch.device("cpu"))
     assert autocast_dtype("bf16", torch.device("cpu")) == torch.bfloat16
     assert autocast_dtype("fp32", torch.device("cpu")) is None
+
+
+def test_unknown_schedule_is_a_clear_error():
+    """A misspelt train.schedule (set past the config's check, as a Python caller can) names
+    the choices instead of training silently at a constant rate."""
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    with pytest.raises(GearsInputError, match=r"unknown train.schedule 'cosine_warmup'.*'step'"):
+        make_scheduler(opt, TrainConfig(schedule="cosine_warmup"))
+    assert make_scheduler(opt, TrainConfig(schedule="constant")).get_last_lr() == [0.1]
 
 
 def test_gradients_reach_graph_embeddings_after_many_steps(tiny):

@@ -75,3 +75,26 @@ def test_the_cycle_finder_finds_a_lazy_cycle(tmp_path):
     (tmp_path / "gears" / "a.py").write_text("from gears.b import f\n")
     (tmp_path / "gears" / "b.py").write_text("def f():\n    from gears import a\n")
     assert cycles(import_graph(tmp_path)) == [["gears.a", "gears.b"]]
+
+
+def test_the_data_layer_imports_nothing_above_it():
+    """gears/data/ sits below the configuration: a data module may import only modules that
+    never lead back into gears/data (the shared text choices come from gears/choices.py, so
+    gears.config imports the data layer and never the reverse)."""
+    graph = import_graph(ROOT)
+
+    def reaches_data(module: str, seen: set[str]) -> bool:
+        for t in graph[module] - seen:
+            seen.add(t)
+            if t.startswith("gears.data.") or reaches_data(t, seen):
+                return True
+        return False
+
+    upward = {
+        (m, t)
+        for m in graph
+        if m.startswith("gears.data.")
+        for t in graph[m]
+        if not t.startswith("gears.data") and reaches_data(t, set())
+    }
+    assert upward == set(), upward

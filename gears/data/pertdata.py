@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 import scipy.sparse as sp
 
-from gears.config import CHOICES
+from gears.choices import CHOICES
 from gears.data import de as de_mod
 from gears.data.conditions import (
     CONDITION_KEY_CANDIDATES,

@@ -39,19 +39,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from gears.choices import SPLIT_TYPES
 from gears.errors import GearsInputError
 
-SPLIT_TYPES = (
-    "simulation",
-    "simulation_single",
-    "combo_seen0",
-    "combo_seen1",
-    "combo_seen2",
-    "single",
-    "no_test",
-    "no_split",
-    "custom",
-)
 SIMULATION_SUBGROUPS = ("combo_seen0", "combo_seen1", "combo_seen2", "unseen_single")
 _SET_NAMES = ("train", "val", "test")
 # Bump when the assignment algorithm changes, so cached splits made by older code are not reused.
