@@ -334,12 +334,14 @@ def per_cell_means(pert_data, net, cond_ids) -> tuple[torch.Tensor, int]:
     loader = pert_data.get_dataloader(32, 128)["test_loader"]
     sums = torch.zeros(len(pert_data.conditions), pert_data.n_genes, dtype=torch.float64)
     n = torch.zeros(len(pert_data.conditions), dtype=torch.float64)
+    from gears.model.batch import ModelBatch
+
     was_training = net.training
     net.eval()
     cells = 0
     with torch.no_grad():
         for batch in loader:
-            pred = net(batch.pert_index) + batch.x  # eval-mode batch-norm: row-independent
+            pred = net(ModelBatch(batch.pert_index)) + batch.x  # eval-mode batch-norm: per row
             sums.index_add_(0, batch.cond, pred.double())
             n.index_add_(0, batch.cond, torch.ones(len(batch), dtype=torch.float64))
             cells += len(batch)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 from dataclasses import asdict
 from pathlib import Path
@@ -12,14 +13,24 @@ import torch
 from gears import checkpoint as ckpt
 from gears.config import DataConfig, DistributedConfig, ModelConfig, TrainConfig
 from gears.data.conditions import CTRL, canonical_condition, condition_genes
+from gears.data.covariates import CONTEXT, data_categories, encode
 from gears.device import to_host
-from gears.distributed import DistEnv, choose_device
+from gears.distributed import DistEnv, choose_device, release
 from gears.engine import Trainer
 from gears.errors import GearsInputError
 from gears.evaluate import Evaluator, predict_deltas
-from gears.model import NETWORKS, GEARSNet, GEARSReference
-from gears.model_folder import CONFIG_FILE, MODEL_FILE, write_prediction_inputs
+from gears.model import network_class, spec_file
+from gears.model.batch import declared_covariates, predicted_expression, reads_x
+from gears.model_folder import (
+    CONFIG_FILE,
+    MODEL_FILE,
+    control_sample_rows,
+    write_prediction_inputs,
+)
 
+# A network that reads x predicts a perturbation's mean from this many control cells (a seeded
+# sample), as cell-gears's predict() runs 300.
+PREDICT_CONTROL_CELLS = 300
 # TrainConfig fields that shape the data loaders (PertData.dataloader_settings has them too).
 LOADER_KEYS = (
     "batch_size",
@@ -58,11 +69,15 @@ class GEARS:
         self.seed = seed
         self.config: dict | None = None  # config.json: model_cfg and the graph settings
         self.model_cfg: ModelConfig | None = None
-        self.model: GEARSNet | GEARSReference | None = None
+        self.model: torch.nn.Module | None = None  # the network model.impl names
+        self.model_folder: Path | None = None  # the folder load_pretrained read it from
         # A model loaded from cell-gears: its predict() protocol around self.model (predictions
         # equal cell-gears's); None otherwise (gears/cell_gears.py CellGearsPrediction).
         self.cell_gears_net: torch.nn.Module | None = None
         self.trainer: Trainer | None = None
+        # The one Evaluator of this model (validation in training, evaluate, the run's test
+        # scores), built with the network.
+        self.evaluator: Evaluator | None = None
         self.history = None
         self.gene_list = list(pert_data.gene_names)
         self.pert_list = list(pert_data.pert_names)
@@ -81,7 +96,7 @@ class GEARS:
                 graph_cfg.coexpress_top_k, graph_cfg.coexpress_threshold
             )
             graphs = ((go.edge_index, go.edge_weight), (co.edge_index, co.edge_weight))
-        self.model_cfg = model_cfg
+        self.model_cfg, self.model_folder = model_cfg, None
         # config.json: the hyperparameters, and the graph settings under cell-gears's names.
         self.config = {
             **asdict(model_cfg),
@@ -149,16 +164,28 @@ class GEARS:
         return self.initialize(model_cfg, graph_cfg, graphs)
 
     def _build(self, go_ei, go_w, co_ei, co_w) -> None:
+        """The network model.impl names, its covariates' categories (config.json's, else this
+        data's), and the model's one Evaluator."""
         self.cell_gears_net = None
-        if self.model_cfg.impl not in NETWORKS:
-            raise GearsInputError(
-                f"model.impl={self.model_cfg.impl!r} is not one of {tuple(NETWORKS)}"
-            )
-        network = NETWORKS[self.model_cfg.impl]  # model.impl: fast or reference
+        network = network_class(self.model_cfg.impl, self.model_folder)
+        names = declared_covariates(network)
+        categories = self.config.get("covariates") or data_categories(self.pert_data, names)
+        self.config["covariates"] = {n: list(categories[n]) for n in names}
+        kwargs = {"categories": self.config["covariates"]} if names else {}
         self.model = network(
-            self.model_cfg, len(self.gene_list), len(self.pert_list), go_ei, go_w, co_ei, co_w
+            self.model_cfg,
+            len(self.gene_list),
+            len(self.pert_list),
+            go_ei,
+            go_w,
+            co_ei,
+            co_w,
+            **kwargs,
         ).to(self.device)
         self.graphs = {"go": (go_ei, go_w), "coexpress": (co_ei, co_w)}
+        self.evaluator = Evaluator(
+            self.pert_data, self.env, self.model, categories=self.config["covariates"]
+        )
 
     def model_config(self) -> ModelConfig:
         return self.model_cfg
@@ -194,6 +221,7 @@ class GEARS:
         loaders = self._loaders(cfg, explicit)
         if "train_loader" not in loaders:
             raise GearsInputError(f"split {self.pert_data.split.split_type!r} has no training set")
+        self.evaluator.control_mean = control_mean
         self.trainer = Trainer(
             self.model,
             self.pert_data,
@@ -204,12 +232,28 @@ class GEARS:
             dist_cfg=dist_cfg,
             wandb_run=self.wandb,
             seed=self.seed,
-            control_mean=control_mean,
+            evaluator=self.evaluator,
         )
         self.trainer.resume(asked=resume or cfg.resume)
         self.history = self.trainer.fit(loaders, progress=progress)
         self.best_model = self.model
         return self.history
+
+    @property
+    def best_epoch(self) -> int:
+        """The epoch (0-based) whose weights training kept (train.select), -1 before training."""
+        return self.trainer.best_epoch if self.trainer is not None else -1
+
+    def release_process_group(self) -> DistEnv:
+        """After the last collective of a distributed run: drop the DDP wrapper while the
+        process group is alive, leave the group (gears.distributed.release), and go on in this
+        process alone (rank 0 scores and writes; the others are done). -> the new DistEnv."""
+        if self.trainer is not None:
+            self.trainer.unwrap()
+        self.env = release(self.env)
+        if self.evaluator is not None:
+            self.evaluator.env = self.env
+        return self.env
 
     def _loaders(self, cfg: TrainConfig, explicit: set[str]) -> dict:
         """The training loaders: pert_data's own (cell-gears style: get_dataloader(...), then
@@ -217,6 +261,9 @@ class GEARS:
         gave explicitly, their settings then copied into cfg; else new ones built from cfg."""
         pd_ = self.pert_data
         built = pd_.dataloader_settings if pd_.dataloader else None
+        reads = declared_covariates(self.model)  # the loaders must carry exactly these
+        if built is not None and tuple(built.get("covariates", ())) != reads:
+            built = None
         if built is not None and "train_loader" in pd_.dataloader:
             mine = (built["world_size"], built["rank"]) == (self.env.world_size, self.env.rank)
             differs = {
@@ -244,6 +291,7 @@ class GEARS:
             pin_memory=self.device.type == "cuda",
             device=self.device,
             block_size=cfg.block_size,
+            covariates=self.evaluator.cell_covariates(declared_covariates(self.model)),
         )
 
     # -------------------------------------------------------------------------------- predict
@@ -266,58 +314,148 @@ class GEARS:
                 rows[i, slot] = index[gene]
         return rows
 
-    def predict(self, pert_list: list[list[str]]):
+    def predict(self, pert_list: list[list[str]], covariates: dict[str, str] | None = None):
         """Mean expression after each perturbation (dict keyed 'A' or 'A_B', as GEARS).
 
         The response is computed once per perturbation and added to the control mean (the exact
         mean of GEARS's per-control-cell predictions). With uncertainty, also returns a confidence
-        per perturbation: exp(-mean log-variance), GEARS's definition.
+        per perturbation: exp(-mean log-variance), GEARS's definition. A network that reads
+        covariates needs their values (e.g. covariates={"context": "K562"}); then the control
+        mean is that context's when the data has contexts. A network that reads x: the mean
+        over PREDICT_CONTROL_CELLS control cells of each one's prediction (predict_changes).
         """
-        if self.model is None:
-            raise GearsInputError("no model: call model_initialize()+train() or load_pretrained()")
-        delta, logvar = predict_deltas(self.prediction_net(), self._pert_rows(pert_list))
+        delta, logvar = self.predict_changes(pert_list, covariates)
         keys = ["_".join(g for g in ([p] if isinstance(p, str) else p)) for p in pert_list]
-        pred = {k: delta[i] + self.ctrl_expression for i, k in enumerate(keys)}
+        ctrl = self._control_mean(covariates)
+        pred = {k: predicted_expression(delta[i], ctrl) for i, k in enumerate(keys)}
         if logvar is not None:
             return pred, {k: float(np.exp(-logvar[i].mean())) for i, k in enumerate(keys)}
         return pred
 
-    def GI_predict(self, combo: list[str], GI_genes_file: str | None = None) -> dict:
+    def predict_changes(
+        self, pert_list: list[list[str]], covariates: dict[str, str] | None = None
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """The network's predicted change from control for each perturbation, [len, G] float64
+        (and the log-variance [len, G] with the uncertainty head, else None); the one path of
+        predict, GI_predict, predict.py and the run's cell-eval scores. covariates: a value per
+        covariate the network reads, the same for every perturbation. A network that reads x
+        is run on PREDICT_CONTROL_CELLS control cells (a seeded sample) per perturbation: the
+        change is the mean of their predictions minus their mean."""
+        if self.model is None:
+            raise GearsInputError("no model: call model_initialize()+train() or load_pretrained()")
+        net, rows = self.prediction_net(), self._pert_rows(pert_list)
+        codes = self._covariate_codes(declared_covariates(net), covariates, len(rows))
+        if not reads_x(net):
+            return predict_deltas(net, rows, covariates=codes)
+        x = self._prediction_controls(covariates)  # [n, G]
+        n = len(x)
+        repeat = {k: np.repeat(v, n) for k, v in codes.items()}
+        cells = np.repeat(rows, n, axis=0)
+        change, logvar = predict_deltas(net, cells, covariates=repeat, x=np.tile(x, (len(rows), 1)))
+        mean = lambda a: None if a is None else a.reshape(len(rows), n, -1).mean(1)  # noqa: E731
+        return mean(change), mean(logvar)
+
+    def _covariate_codes(self, names, values: dict[str, str] | None, n: int) -> dict:
+        """Codes [n] of the given covariate values (each the same for every row)."""
+        values = values or {}
+        missing = [name for name in names if name not in values]
+        if missing:
+            raise GearsInputError(
+                f"this network reads covariates {list(names)}: give a value for {missing} "
+                f"(e.g. covariates={{{missing[0]!r}: ...}}; the model knows "
+                f"{self.config['covariates'][missing[0]][:10]})"
+            )
+        cats = self.config["covariates"]
+        return {name: np.repeat(encode([values[name]], cats[name], name), n) for name in names}
+
+    def _control_mean(self, covariates: dict[str, str] | None) -> np.ndarray:
+        """The control mean a predicted change is added to: the context's when the data has
+        contexts and a context is given, else all control cells'."""
+        contexts = getattr(self.pert_data, "contexts", [])
+        context = (covariates or {}).get(CONTEXT)
+        if context is not None and context in contexts:
+            return self.pert_data.context_ctrl_means[contexts.index(context)]
+        return self.ctrl_expression
+
+    def _prediction_controls(self, covariates: dict[str, str] | None) -> np.ndarray:
+        """The control cells a network that reads x predicts from -> [n, G] float32: a seeded
+        sample of PREDICT_CONTROL_CELLS of the data's control cells (of the given context, when
+        the data has contexts)."""
+        pd_ = self.pert_data
+        if not hasattr(pd_, "ctrl_rows"):
+            raise GearsInputError(
+                "this network reads the control cell x: predict needs control cells; load the "
+                "model with its PertData (GEARS(pert_data).load_pretrained(path))"
+            )
+        rows = pd_.ctrl_rows
+        context = (covariates or {}).get(CONTEXT)
+        if context is not None and context in getattr(pd_, "contexts", []):
+            rows = rows[pd_.cell_context[rows] == pd_.contexts.index(context)]
+        rows = control_sample_rows(rows, PREDICT_CONTROL_CELLS, seed=0)
+        return to_host(pd_.expr.rows(rows)).numpy()
+
+    def GI_predict(
+        self,
+        combo: list[str],
+        GI_genes_file: str | None = None,
+        covariates: dict[str, str] | None = None,
+    ) -> dict:
         """Genetic-interaction scores of a double from predicted changes versus control."""
         from gears.metrics import gi_params
 
         if len(combo) != 2:
             raise GearsInputError(f"GI_predict needs two genes, got {combo}")
-        pred = self.predict([[combo[0]], [combo[1]], list(combo)])
+        pred = self.predict([[combo[0]], [combo[1]], list(combo)], covariates)
         pred = pred[0] if isinstance(pred, tuple) else pred
         genes = np.arange(len(self.gene_list))
         if GI_genes_file is not None:
             wanted = set(np.load(GI_genes_file, allow_pickle=True).astype(str))
             genes = np.array([i for i, g in enumerate(self.gene_list) if g in wanted])
-        ctrl = self.ctrl_expression
+        ctrl = self._control_mean(covariates)
         first, second, double = (
             pred[k][genes] - ctrl[genes] for k in (combo[0], combo[1], f"{combo[0]}_{combo[1]}")
         )
         return gi_params(first, second, double)
 
-    def plot_perturbation(self, query: str, save_file: str | Path | None = None):
-        """GEARS's plot: true per-cell changes on the top-20 DE genes with the prediction."""
+    def test_units(self) -> list[tuple[str, dict[str, str]]]:
+        """The scored units of the test set: (condition, {covariate: value}) in the
+        evaluator's order ({} for a network that reads no covariate)."""
+        view = self.evaluator.set_view("test")
+        cats = self.config["covariates"]
+        return [
+            (cond, {n: cats[n][int(c[i])] for n, c in view["covariates"].items()})
+            for i, cond in enumerate(view["conditions"])
+        ]
+
+    def plot_perturbation(
+        self,
+        query: str,
+        save_file: str | Path | None = None,
+        covariates: dict[str, str] | None = None,
+    ):
+        """GEARS's plot: true per-cell changes on the top-20 DE genes with the prediction
+        (for a network that reads covariates, the prediction for `covariates`' values)."""
         from gears.plotting import plot_perturbation
 
         cond = canonical_condition(query)
-        pred = self.predict([condition_genes(cond)])
+        pred = self.predict([condition_genes(cond)], covariates)
         pred = pred[0] if isinstance(pred, tuple) else pred
         return plot_perturbation(self.pert_data, cond, next(iter(pred.values())), save_file)
 
     def evaluate(self, set_name: str = "test", control_mean: str = "all") -> dict:
-        net = self.prediction_net()
-        return Evaluator(self.pert_data, self.env, net, control_mean=control_mean).full(set_name)
+        """GEARS's metrics on a split set (Evaluator.full), predicted means formed as
+        control_mean says (config.CHOICES['eval.control_mean'])."""
+        if self.model is None:
+            raise GearsInputError("no model: call model_initialize()+train() or load_pretrained()")
+        self.evaluator.control_mean = control_mean
+        return self.evaluator.full(set_name, net=self.prediction_net())
 
     # ---------------------------------------------------------------------------- save / load
     def save_model(self, path: str | Path) -> None:
         """A folder with config.json and model.pt (weights without any DDP `module.` prefix,
         plus the graphs and gene lists, so loading needs no graph rebuild), and for predict.py
-        control_cells.h5ad and prediction.json (gears.predict.write_prediction_inputs)."""
+        control_cells.h5ad and prediction.json (gears.predict.write_prediction_inputs). A fork's
+        network file (model.impl=path/to/file.py:Class) is copied in, and loads from there."""
         if not self.env.is_main:
             return
         path = Path(path)
@@ -333,6 +471,10 @@ class GEARS:
             "ctrl_expression": torch.as_tensor(np.asarray(self.ctrl_expression)),
         }
         ckpt.atomic_save(state, path / MODEL_FILE)
+        fork = spec_file(self.model_cfg.impl)
+        if fork is not None:  # the fork's code beside its weights (network_class reads it)
+            source = Path(inspect.getsourcefile(type(self.model))).read_text()
+            ckpt.atomic_write(path / fork.name, lambda tmp: tmp.write_text(source))
         if hasattr(self.pert_data, "ctrl_rows"):  # a PertData, not a folder's vocabulary
             # Control cells and the input's spelling, so predict.py needs no dataset.
             write_prediction_inputs(self.pert_data, path, seed=self.seed)
@@ -403,6 +545,7 @@ class GEARS:
         self.model_cfg = ModelConfig.from_dict(self.config)
         ckpt.check_compatible(state, path / MODEL_FILE, self._checkpoint_meta())
         (go_ei, go_w), (co_ei, co_w) = state["graphs"]["go"], state["graphs"]["coexpress"]
+        self.model_folder = path
         self._build(go_ei, go_w, co_ei, co_w)
         weights = {k.removeprefix("module."): v for k, v in state["state_dict"].items()}
         self.model.load_state_dict(weights)

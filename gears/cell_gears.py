@@ -26,6 +26,7 @@ from torch import nn
 from gears.config import ModelConfig
 from gears.data.conditions import CTRL, condition_genes
 from gears.errors import GearsInputError
+from gears.model.batch import ModelBatch
 from gears.model.kernels import gcn_normalised_csr
 
 CONFIG_PICKLE, WEIGHTS_FILE = "config.pkl", "model.pt"
@@ -469,7 +470,8 @@ class CellGearsPrediction(nn.Module):
     (delta with the graph + (PREDICT_CELLS - 1) x delta without it) / PREDICT_CELLS + the mean
     of the sampled control cells; the log-variance likewise. This module returns that mix of
     `net`'s two deltas (net itself applies the graph to every cell, this project's network).
-    forward(pert_index [U, P]) -> delta [U, G] (, logvar [U, G]); parameters are net's."""
+    forward(ModelBatch(pert_index [U, P])) -> delta [U, G] (, logvar [U, G]); parameters are
+    net's."""
 
     def __init__(self, net: nn.Module, cells: int = PREDICT_CELLS):
         super().__init__()
@@ -482,13 +484,13 @@ class CellGearsPrediction(nn.Module):
             for name, tensor in zip(("crow", "col", "values"), parts):
                 self.register_buffer(f"self_loops_{name}{suffix}", tensor.to(device), False)
 
-    def forward(self, pert_index: torch.Tensor, counts=None):
-        first_cell = self.net(pert_index, counts)
+    def forward(self, batch: ModelBatch):
+        first_cell = self.net(batch)
         saved = {name: getattr(self.net, name) for name in _CO_BUFFERS}
         try:
             for name in _CO_BUFFERS:
                 setattr(self.net, name, getattr(self, name.replace("co_adj_", "self_loops_")))
-            other_cells = self.net(pert_index, counts)
+            other_cells = self.net(batch)
         finally:
             for name, tensor in saved.items():
                 setattr(self.net, name, tensor)

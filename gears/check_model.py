@@ -1,7 +1,16 @@
-"""`python -m gears.check_model [--config FILE] [key=value ...]`: the fast network as edited
-(gears/model/network.py, kernels.py) against the reference (gears/model/reference.py) from the
-same weights, layer by layer, on real batches of the configured screen (the embedded synthetic
-one by default, offline). Exit 0 when every layer agrees, 1 naming the first that departs.
+"""`python -m gears.check_model [--config FILE] [key=value ...]`: the configured network
+(model.impl, a fork's class included) against the network contract (gears/model/batch.py), and
+the fast network (gears/model/network.py, kernels.py) against the reference
+(gears/model/reference.py, or a fork of it with the same parameters) from the same weights,
+layer by layer, on real batches of the configured screen (the embedded synthetic one by
+default, offline). Exit 0 when every check passes and every layer agrees, 1 naming the first
+failure.
+
+The contract checks, which any network can run: its outputs have the declared shapes and are
+finite; what it does not declare does not change its output (the control cell x, a covariate it
+does not name); and unless it reads x, its distinct rows weighted by their cells give each cell
+the same prediction and the loss the same gradients as one row per cell, in training and in
+evaluation mode (a layer mixing rows, a plain BatchNorm1d or dropout, fails this one).
 
 Each module both networks have by name is hooked; its output, the gradient reaching that output
 and the gradients of its own parameters are compared. The fast network computes a batch's
@@ -14,6 +23,7 @@ the rows that stand for it.
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
@@ -24,7 +34,15 @@ from torch import nn
 from gears.config import Config, TrainConfig
 from gears.distributed import DistEnv
 from gears.engine import CELL_ROWS, RepeatRows, Trainer, seed_everything
-from gears.model import NETWORKS
+from gears.model import NETWORKS, GEARSNet
+from gears.model.batch import (
+    ModelBatch,
+    declared_covariates,
+    predicted_expression,
+    reads_x,
+    split_output,
+)
+from gears.model.rows import batch_rows, cell_outputs, row_layout
 
 TOLERANCE = 1e-5  # relative to each tensor's scale (float64 nets, float32 loss: measured <= 2e-8)
 
@@ -43,6 +61,8 @@ class Report:
     seen: set[str] = field(default_factory=set)  # modules called by either network
     tol: float = TOLERANCE
     problem: str = ""  # a failure before any layer could be compared
+    contract: dict[str, str] = field(default_factory=dict)  # check -> "" (passed) or problem
+    skipped: str = ""  # why the layer comparison did not run
 
     def first_departing(self) -> str | None:
         """The first layer (forward order) whose output departs; else the last whose gradient
@@ -55,11 +75,19 @@ class Report:
 
     @property
     def ok(self) -> bool:
-        return not self.problem and self.first_departing() is None
+        broken = any(self.contract.values())
+        return not broken and not self.problem and self.first_departing() is None
 
     def table(self) -> str:
+        lines = [f"contract: {name}: {problem or 'ok'}" for name, problem in self.contract.items()]
         if self.problem:
-            return f"check_model: {self.problem}"
+            return "\n".join([*lines, f"check_model: {self.problem}"])
+        if self.skipped:
+            verdict = "OK" if self.ok else "FAILS"
+            return "\n".join([*lines, f"layer comparison skipped: {self.skipped}", verdict])
+        return "\n".join([*lines, self.layer_table()])
+
+    def layer_table(self) -> str:
         width = max((len(n) for n in self.layers), default=5)
         lines = [f"{'layer':<{width}}  {'output':>9}  {'gradient':>9}", "-" * (width + 22)]
         fmt = lambda v: "-" if v is None else f"{v:9.1e}"  # noqa: E731
@@ -192,23 +220,40 @@ def _randomise_batchnorms(net: nn.Module, seed: int) -> None:
 
 
 def check_model(cfg: Config, pert_data=None, batches: int = 2, tol: float = TOLERANCE) -> Report:
-    """Build cfg's fast network and the reference with its weights (float64), run `batches`
-    training batches of random and of grouped batching through Trainer.loss_on (the engine's
-    row layouts for each, and the weighted one), then one in evaluation mode; compare."""
+    """The configured network's contract checks (contract_checks); then, when it is GEARSNet,
+    the reference or a per-cell fork with GEARSNet's parameters, the layer comparison: the fast
+    network and that one with its weights (float64), `batches` training batches of random and
+    of grouped batching through Trainer.loss_on (the engine's row layouts for each, and the
+    weighted one), then one in evaluation mode."""
     from gears.api import GEARS
     from gears.run import load_pert_data
 
     env = DistEnv()
     pert_data = pert_data or load_pert_data(cfg, env)
+    report = Report(tol=tol)
     seed_everything(cfg.seed)
-    model_cfg = cfg.model
-    api = GEARS(pert_data, device="cpu").initialize(replace(model_cfg, impl="fast"), cfg.data)
+    configured = GEARS(pert_data, device="cpu").initialize(cfg.model, cfg.data)
+    report.contract = contract_checks(configured, cfg, pert_data, batches, tol)
+    seed_everything(cfg.seed)
+    model_cfg = replace(cfg.model, impl="fast")
+    api = GEARS(pert_data, device="cpu").initialize(model_cfg, cfg.data)
     fast = api.model.double()
     (go, go_w), (co, co_w) = api.graphs["go"], api.graphs["coexpress"]
-    ref = NETWORKS["reference"](
-        model_cfg, pert_data.n_genes, len(api.pert_list), go, go_w, co, co_w
-    )
-    report = Report(tol=tol)
+    if isinstance(configured.model, GEARSNet):
+        ref = NETWORKS["reference"](
+            model_cfg, pert_data.n_genes, len(api.pert_list), go, go_w, co, co_w
+        )
+    elif getattr(configured.model, "per_cell_rows", False):
+        ref = configured.model  # the reference, or a fork of it
+    else:
+        report.skipped = f"{type(configured.model).__name__} does not take one row per cell"
+        return report
+    if set(ref.state_dict()) != set(fast.state_dict()) and not isinstance(
+        configured.model, GEARSNet
+    ):
+        extra = sorted(set(ref.state_dict()) ^ set(fast.state_dict()))
+        report.skipped = f"{type(ref).__name__} and GEARSNet differ in parameters {extra[:6]}"
+        return report
     _randomise_batchnorms(fast, cfg.seed)
     missing, unexpected = ref.double().load_state_dict(fast.state_dict(), strict=False)
     if missing or unexpected:
@@ -218,7 +263,7 @@ def check_model(cfg: Config, pert_data=None, batches: int = 2, tol: float = TOLE
         )
         return report
     trainers = [
-        Trainer(net, pert_data, TrainConfig(), model_cfg, env, control_mean="all")
+        Trainer(net, pert_data, TrainConfig(), model_cfg, env, evaluator=api.evaluator)
         for net in (fast, ref)
     ]
     names = sorted(
@@ -252,6 +297,115 @@ def check_model(cfg: Config, pert_data=None, batches: int = 2, tol: float = TOLE
         for h in handles:
             h.remove()
     return report
+
+
+def contract_checks(model, cfg: Config, pert_data, batches: int, tol: float) -> dict[str, str]:
+    """The network contract, checked on `model.model` (a float64 copy, batch-norms drawn away
+    from their initial statistics) with `batches` random training batches: check -> "" when it
+    holds, else what went wrong."""
+    net = copy.deepcopy(model.model).double()
+    _randomise_batchnorms(net, cfg.seed)
+    names, wants_x = declared_covariates(net), reads_x(net)
+    loaders = pert_data.get_dataloader_distributed(
+        cfg.train.batch_size,
+        cfg.train.test_batch_size,
+        covariates=model.evaluator.cell_covariates(names),
+    )
+    taken = [b for _, b in zip(range(batches), loaders["train_loader"])]
+    checks = {"shapes": "", "undeclared inputs ignored": ""}
+    if not wants_x:
+        checks["distinct rows = one row per cell"] = ""
+    G = pert_data.n_genes
+    for i, batch in enumerate(taken):
+        where = f"random batch {i}"
+        layout = row_layout(batch.counts, per_cell=wants_x)
+        rows = batch_rows(batch, layout, names, wants_x)
+        for mode in ("train", "eval"):
+            probe = copy.deepcopy(net).train(mode == "train")
+            try:
+                out = probe(rows.inputs)
+            except Exception as e:  # a network that fails on its declared inputs
+                checks["shapes"] = checks["shapes"] or f"{where}, {mode}: {type(e).__name__}: {e}"
+                continue
+            checks["shapes"] = checks["shapes"] or _shape_problem(out, len(rows.inputs), G, where)
+        checks["undeclared inputs ignored"] = checks["undeclared inputs ignored"] or _undeclared(
+            net, rows.inputs, G, tol, where
+        )
+        if not wants_x:
+            problem = checks["distinct rows = one row per cell"]
+            for mode in ("train", "eval"):
+                problem = problem or _dedup_problem(net, batch, names, pert_data, cfg, mode, tol)
+            checks["distinct rows = one row per cell"] = problem and f"{where}: {problem}"
+    return checks
+
+
+def _shape_problem(out, n_rows: int, n_genes: int, where: str) -> str:
+    """ "" when the output is change [R, G] (and logvar [R, G]) and finite; else why not."""
+    parts = out if isinstance(out, tuple) else (out,)
+    for name, t in zip(("change", "logvar"), parts):
+        if not torch.is_tensor(t) or tuple(t.shape) != (n_rows, n_genes):
+            shape = tuple(t.shape) if torch.is_tensor(t) else type(t).__name__
+            return f"{where}: {name} is {shape}, the contract says [{n_rows}, {n_genes}]"
+        if not bool(torch.isfinite(t).all()):
+            return f"{where}: {name} has NaN or infinite values"
+    return ""
+
+
+def _undeclared(net: nn.Module, inputs: ModelBatch, n_genes: int, tol: float, where: str) -> str:
+    """In evaluation mode: an x the network does not declare, and a covariate it does not
+    name, leave its output unchanged."""
+    probe = copy.deepcopy(net).eval()
+    gen = torch.Generator().manual_seed(0)
+    n = len(inputs)
+    variants = {
+        "a covariate it does not declare": replace(
+            inputs,
+            covariates={
+                **inputs.covariates,
+                "undeclared": torch.randint(0, 3, (n,), generator=gen),
+            },
+        )
+    }
+    if not reads_x(net):
+        x = torch.rand(n, n_genes, generator=gen, dtype=torch.float64) * 3
+        variants["a control cell x (reads_x is False)"] = replace(inputs, x=x)
+    with torch.no_grad():
+        try:
+            base = split_output(probe(inputs))[0]
+        except Exception as e:
+            return f"{where}: fails on its declared inputs: {type(e).__name__}: {e}"
+        for what, variant in variants.items():
+            if _rel(split_output(probe(variant))[0], base) > tol:
+                return f"{where}: its output changes with {what}: declare what it reads"
+    return ""
+
+
+def _dedup_problem(net, batch, names, pert_data, cfg: Config, mode: str, tol: float) -> str:
+    """The batch's distinct rows, weighted by their cells, against one row per cell, from the
+    same weights and statistics: each cell's prediction and every parameter's gradient."""
+    results = []
+    for layout in (None, CELL_ROWS):
+        probe = copy.deepcopy(net).train(mode == "train")
+        trainer = Trainer(probe, pert_data, TrainConfig(), cfg.model, DistEnv())
+        rows = batch_rows(batch, layout, names, False)
+        change, _ = cell_outputs(probe(rows.inputs), rows)
+        probe.zero_grad(set_to_none=True)
+        probe.load_state_dict(net.state_dict())  # (the forward above moved the statistics)
+        trainer.loss_on(batch, layout).backward()
+        grads = {n: p.grad for n, p in probe.named_parameters() if p.grad is not None}
+        results.append((predicted_expression(change.detach(), batch.x.double()), grads))
+    (pred_rows, grad_rows), (pred_cells, grad_cells) = results
+    err = _rel(pred_rows, pred_cells)
+    if err > tol:
+        return f"{mode} mode: cell predictions differ by {err:.1e} (relative)"
+    largest = max((g.abs().max().item() for g in grad_cells.values()), default=0.0)
+    for name, g in grad_cells.items():
+        if name not in grad_rows:
+            return f"{mode} mode: {name} has a gradient with one row per cell only"
+        err = _rel(grad_rows[name], g, floor=tol * largest)
+        if err > tol:
+            return f"{mode} mode: the gradient of {name} differs by {err:.1e} (relative)"
+    return ""
 
 
 def _run(fast, ref, trainers, records, batch, layout, where, report, n_perts) -> None:

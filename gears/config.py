@@ -30,6 +30,9 @@ class DataConfig:
     # (keep them without GO edges).
     unmapped_perts: str = "error"
     condition_key: str | None = None  # obs column naming each cell's perturbation; None = detect
+    context_key: str | None = (
+        None  # obs column naming each cell's context (e.g. cell line); None = one context
+    )
     control_names: list[str] = field(default_factory=list)  # extra spellings of control cells
     mirror_url: str | None = None  # base URL replacing the public download host
     # Processed expression that every local rank memory-maps: auto (memory-map when the data
@@ -62,27 +65,36 @@ class SplitConfig:
 # A ModelConfig field whose value changes the weights' shapes (or which weights exist): saved
 # models and checkpoints record it, and one trained with another value is refused by name.
 SHAPES = {"shapes": True}
+# A ModelConfig field that is a parameter of the loss: Trainer.loss_on passes every such field
+# to gears_loss (gears/model/losses.py) by its name.
+LOSS = {"loss": True}
 
 
 @dataclass
 class ModelConfig:
     """GEARS's hyperparameters: the config file's `model:` section, passed whole to the network
-    (gears/model/network.py) and the loss (Trainer.loss_on). A new hyperparameter is one field
-    here (marked `metadata=SHAPES` if it changes the weights); config.json and checkpoints
-    record it by themselves."""
+    (gears/model/network.py) and the loss (gears_loss, given every field marked metadata=LOSS).
+    A new hyperparameter is one field here (marked `metadata=SHAPES` if it changes the
+    weights, `metadata=LOSS` if gears_loss takes it); config.json and checkpoints record it by
+    themselves."""
 
     hidden_size: int = field(default=64, metadata=SHAPES)
     num_go_gnn_layers: int = field(default=1, metadata=SHAPES)
     num_gene_gnn_layers: int = field(default=1, metadata=SHAPES)
     uncertainty: bool = field(default=False, metadata=SHAPES)  # GEARS's log-variance head
-    uncertainty_reg: float = 1.0
-    direction_lambda: float = 0.1
-    direction_temperature: float = 0.1
-    gamma: float = 2.0
+    uncertainty_reg: float = field(default=1.0, metadata=LOSS)
+    direction_lambda: float = field(default=0.1, metadata=LOSS)
+    direction_temperature: float = field(default=0.1, metadata=LOSS)
+    gamma: float = field(default=2.0, metadata=LOSS)
     # Which network computes GEARS: fast (gears/model/network.py: one row per distinct
     # perturbation, fused kernels) or reference (gears/model/reference.py: one row per cell,
-    # plain PyTorch, several times slower). Same weights; saved models record it.
+    # plain PyTorch, several times slower), same weights; or a fork's network class,
+    # path/to/file.py:ClassName or module:ClassName. Saved models record it.
     impl: str = "fast"
+
+    def loss_params(self) -> dict:
+        """The fields marked metadata=LOSS, as gears_loss's keyword arguments."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.metadata.get("loss")}
 
     def shape_fields(self) -> dict:
         """{"model.<name>": value} of the fields that change the weights: what a saved model or
@@ -95,10 +107,11 @@ class ModelConfig:
         """The fields of a saved config.json (other keys ignored; absent ones default: a folder
         written before model.impl existed loads as fast)."""
         cfg = cls(**{f.name: values[f.name] for f in fields(cls) if f.name in values})
-        if cfg.impl not in CHOICES["model.impl"]:
+        if not _known_impl(cfg.impl):
             raise GearsInputError(
                 f"config.json names model.impl={cfg.impl!r}; this code knows "
-                f"{CHOICES['model.impl']}: edit config.json or use the code that wrote it"
+                f"{CHOICES['model.impl']} and file.py:Class or module:Class: edit config.json "
+                "or use the code that wrote it"
             )
         return cfg
 
@@ -398,7 +411,7 @@ def _set(cfg: Config, dotted: Any, value: Any) -> None:
             raise _unknown(dotted)
         new = _coerce(value, f.type, dotted)
         choices = CHOICES.get(dotted)
-        if choices and new not in choices:
+        if choices and new not in choices and not (dotted == "model.impl" and _known_impl(new)):
             raise GearsInputError(f"config key {dotted!r} must be one of {choices}, got {new!r}")
         setattr(obj, part, new)
         return
@@ -440,6 +453,12 @@ def load_config(
         _set(cfg, key.strip(), _parse_override(key.strip(), value))
     _check(cfg)
     return cfg
+
+
+def _known_impl(impl: str) -> bool:
+    """A built-in network name, or a class spec (file.py:Class, module:Class; whether it
+    exists is checked when the network is built, gears.model.network_class)."""
+    return impl in CHOICES["model.impl"] or ":" in impl
 
 
 def check_impl(model: ModelConfig, train: TrainConfig, dist: DistributedConfig) -> None:

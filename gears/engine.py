@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import os
 import random
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -34,33 +31,26 @@ from gears.distributed import (
 )
 from gears.errors import GearsInputError, NonFiniteLossError, TrainingStopped
 from gears.evaluate import Evaluator
-from gears.model.kernels import gather_rows
+from gears.faults import FaultPlan
+from gears.model.batch import declared_covariates, predicted_expression, reads_x
 from gears.model.losses import gears_loss
-from gears.model.rows import pad_rows, use_cell_rows
-
-# loss_on(batch, CELL_ROWS): one row per cell instead of one per distinct perturbation.
-CELL_ROWS = "cells"
-
-
-class RepeatRows(NamedTuple):
-    """loss_on layout: distinct row u repeated repeats[u] times, every row standing for `count`
-    cells (counts [8, 4, 4] -> 4 rows of 4 cells): uniform rows take the native batch-norm
-    kernel. Exact: copies of a row have equal outputs, each cell reads its first copy, and the
-    gradient summed over the copies is the per-cell batch's."""
-
-    count: float
-    repeats: torch.Tensor  # [U] long, host
-
-
-def _plain(value):
-    """numpy scalars and containers of them as Python floats/ints (weights_only-loadable)."""
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, np.generic):
-        return value.item()
-    return value
+from gears.model.rows import (  # noqa: F401 (CELL_ROWS, RepeatRows: the layouts, re-exported)
+    CELL_ROWS,
+    Layout,
+    RepeatRows,
+    batch_rows,
+    cell_outputs,
+    row_layout,
+)
+from gears.training_state import (  # noqa: F401 (rng_state, set_rng_state: re-exported)
+    History,
+    epoch_position,
+    resume,
+    rng_state,
+    set_rng_state,
+    stop_mid_epoch,
+    write_checkpoint,
+)
 
 
 def seed_everything(seed: int) -> None:
@@ -142,97 +132,12 @@ def selection_score(rule: str, val: dict, loss: float, epoch: int) -> float:
     return val.get(rule.removeprefix("val_"), loss)
 
 
-def rng_state(device: torch.device | None = None) -> dict:
-    """Host RNG states, plus the CUDA generator of this process's own GPU (one per rank; not
-    every visible GPU's, which another machine may not have)."""
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {
-        "python": random.getstate(),
-        "numpy": [name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
-        "torch": torch.get_rng_state(),
-    }
-    if device is not None and device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)  # GPU-only
-    return state
-
-
-def set_rng_state(state: dict, device: torch.device | None = None) -> None:
-    """Restore `rng_state`'s output on any device. RNG states must be CPU byte tensors whatever
-    device wrote the file; a CUDA state is restored only into this process's GPU, and a state
-    from an older checkpoint (a list, one per GPU) gives this GPU's entry or the first."""
-    random.setstate(state["python"])
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(_cpu_bytes(state["torch"]))
-    cuda = state.get("cuda")
-    if cuda is None or device is None or device.type != "cuda":
-        return
-    if isinstance(cuda, (list, tuple)):
-        cuda = cuda[device.index] if (device.index or 0) < len(cuda) else cuda[0]
-    torch.cuda.set_rng_state(_cpu_bytes(cuda), device)  # GPU-only
-
-
-def _cpu_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().to("cpu", torch.uint8)
-
-
 def graph_buffer_names(net: torch.nn.Module) -> list[str]:
     """The network's fixed graph buffers (identical on every rank, never to be broadcast)."""
     names = getattr(net, "graph_buffer_names", None)
     if callable(names):
         return list(names())
     return [n for n, _ in net.named_buffers() if "edge" in n.rsplit(".", 1)[-1]]
-
-
-def _fault_injection(epoch: int, step: int, env: DistEnv, where: str, resumed: bool) -> bool:
-    """Test hook: GEARS_FAULT_KILL=<rank|all>:<epoch|step>:<n>[:<SIGNAL>] sends SIGKILL (or the
-    named signal, e.g. TERM) to that rank on the first attempt: a resumed run (every rank of a
-    torchrun restart, including nodes whose TORCHELASTIC_RESTART_COUNT stayed 0) is disarmed;
-    `<...>:TERM:parent` signals the parent process instead (the torchrun agent, as Slurm does).
-    With NAN for the signal (`1:step:5:NAN`) nothing is sent: True at where="loss" tells the loop
-    to make that rank's loss of optimizer step n NaN."""
-    spec = os.environ.get("GEARS_FAULT_KILL")
-    if not spec or resumed or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        return False
-    rank, kind, n, *sig = spec.split(":")
-    if rank not in ("all", str(env.rank)):
-        return False
-    if sig == ["NAN"]:
-        return where == "loss" and kind == "step" and int(n) == step
-    if kind == where and int(n) == (epoch if where == "epoch" else step):
-        target = os.getppid() if sig[1:] == ["parent"] else os.getpid()
-        os.kill(target, getattr(signal, f"SIG{sig[0]}") if sig else signal.SIGKILL)
-    return False
-
-
-class FaultHooks:
-    """The test hooks of GEARS_FAULT_KILL (_fault_injection), kept out of the training step:
-    after_step / after_epoch may kill this process (or signal its parent), and with
-    `<rank>:step:<n>:NAN` loss_on is wrapped so that step n's loss is NaN. Inert without the
-    variable."""
-
-    def __init__(self, trainer: Trainer):
-        self.trainer = trainer
-        spec = os.environ.get("GEARS_FAULT_KILL", "")
-        if spec.endswith(":NAN"):
-            loss_on = trainer.loss_on
-
-            def nan_loss_on(batch, layout=None):
-                loss = loss_on(batch, layout)
-                if self._fire(0, trainer.step + 1, "loss"):
-                    loss = loss * float("nan")
-                return loss
-
-            trainer.loss_on = nan_loss_on
-
-    def _fire(self, epoch: int, step: int, where: str) -> bool:
-        return _fault_injection(epoch, step, self.trainer.env, where, self.trainer.resumed)
-
-    def after_step(self, epoch: int, step: int) -> None:
-        self._fire(epoch, step, "step")
-
-    def after_epoch(self, epoch: int, step: int) -> None:
-        self._fire(epoch, step, "epoch")
 
 
 class NonFiniteWatch:
@@ -257,16 +162,6 @@ class NonFiniteWatch:
         self.first_bad = torch.full_like(self.first_bad, -1)
         self.recorded = []
         return taken
-
-
-@dataclass
-class EpochTotals:
-    """An epoch's running totals on this rank, and the batch it starts at (0, or where a
-    SIGTERM stopped it)."""
-
-    loss_sum: torch.Tensor
-    cells: int = 0
-    start: int = 0
 
 
 class TrainProgress:
@@ -304,15 +199,6 @@ class TrainProgress:
             self.bar.close()
 
 
-@dataclass
-class History:
-    train_loss: list[float] = field(default_factory=list)
-    val: list[dict] = field(default_factory=list)
-    epoch_s: list[float] = field(default_factory=list)
-    cells_per_s: list[float] = field(default_factory=list)
-    skipped_steps: list[int] = field(default_factory=list)  # GradScaler (fp16) skips per epoch
-
-
 def compiled_backward_as_eager(compiled: bool):
     """A context for calling a torch.compile'd network whose backward must mean what eager's
     means. Two defaults of PyTorch 2.13 differ: the compiled backward is traced under the
@@ -328,8 +214,143 @@ def compiled_backward_as_eager(compiled: bool):
     )
 
 
+def check_network(
+    net: torch.nn.Module, train_cfg: TrainConfig, dist_cfg: DistributedConfig
+) -> None:
+    """Refuse, by name, what the network class cannot run (gears.config.check_impl does the
+    same for model.impl=reference when the config is read)."""
+    name = type(net).__name__
+    if train_cfg.compile and (reads_x(net) or getattr(net, "per_cell_rows", False)):
+        raise GearsInputError(
+            f"train.compile=true needs rows of distinct perturbations; {name} takes one row per "
+            "cell (data-dependent shapes recompile per batch): drop train.compile"
+        )
+    if dist_cfg.sync_batchnorm and not hasattr(net, "set_sync_batchnorm"):
+        raise GearsInputError(
+            f"distributed.sync_batchnorm=true needs a network with set_sync_batchnorm (the fast "
+            f"GEARSNet's weighted batch-norms); {name} has none: drop distributed.sync_batchnorm"
+        )
+
+
+def wrap_for_training(
+    net: torch.nn.Module, env: DistEnv, dist_cfg: DistributedConfig, compile: bool
+) -> torch.nn.Module:
+    """The module the step calls: the network, under DDP with several processes, compiled with
+    train.compile (rows padded to a few sizes by batch_rows)."""
+    model = net
+    if env.distributed:
+        set_sync = getattr(net, "set_sync_batchnorm", None)  # (the fast network's)
+        if set_sync is not None:
+            set_sync(dist_cfg.sync_batchnorm)
+        # The graphs are built identically on every rank: DDP's default would broadcast them
+        # (MBs at genome scale) from rank 0 before every forward.
+        DDP._set_params_and_buffers_to_ignore_for_model(net, graph_buffer_names(net))
+        model = DDP(
+            net,
+            device_ids=[env.device.index] if env.device.type == "cuda" else None,  # GPU-only
+            find_unused_parameters=dist_cfg.find_unused_parameters,
+            static_graph=dist_cfg.static_graph,
+            gradient_as_bucket_view=dist_cfg.gradient_as_bucket_view,
+        )
+    if compile:
+        model = torch.compile(model, dynamic=False)
+    return model
+
+
+def set_train_mode(model: torch.nn.Module, net: torch.nn.Module, freeze_batchnorm: bool):
+    """Training mode; batch-norms frozen in eval mode with train.freeze_batchnorm."""
+    model.train()
+    if freeze_batchnorm:
+        for m in net.modules():
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+                m.eval()
+
+
+def sync_buffers(env: DistEnv, net: torch.nn.Module) -> None:
+    """Rank 0's batch-norm running statistics on every rank. Without sync_batchnorm each rank
+    updates them with its own batches after DDP's pre-forward broadcast, so evaluation (chunks
+    dealt to ranks), the best state and checkpoints would depend on the rank."""
+    if not env.distributed:
+        return
+    graphs = set(graph_buffer_names(net))
+    for name, buf in net.named_buffers():
+        if name not in graphs:
+            dist.broadcast(buf, src=0)
+
+
+def announce(env: DistEnv, cfg: TrainConfig, steps_per_epoch: int) -> None:
+    """Rank 0: the run's shape (processes, batch, accumulation, precision)."""
+    if env.is_main:
+        world, accum = env.world_size, cfg.grad_accum_steps
+        print(
+            f"training on {env.device} x {world} process(es): batch {cfg.batch_size}/process x "
+            f"{world} x accumulation {accum} = effective batch {cfg.batch_size * world * accum}; "
+            f"{steps_per_epoch} steps/epoch/process, precision {cfg.precision}",
+            flush=True,
+        )
+
+
+def log_epoch(
+    cfg: TrainConfig, wandb, history: History, epoch: int, loss: float, val: dict, step: int
+) -> None:
+    """Rank 0 at the end of an epoch: its line, and wandb."""
+    speed, seconds = history.cells_per_s[-1], history.epoch_s[-1]
+    print(
+        f"epoch {epoch + 1}/{cfg.epochs}: train loss {loss:.4f}"
+        + "".join(f", val {k} {v:.4f}" for k, v in val.items())
+        + f", {speed:.0f} cells/s, {seconds:.1f}s",
+        flush=True,
+    )
+    if wandb is not None:
+        metrics = {"epoch": epoch + 1, "train/epoch_loss": loss}
+        metrics.update({f"val/{k}": v for k, v in val.items()})
+        wandb.log({**metrics, "train/cells_per_s": speed}, step=step)
+
+
+def check_trainable(train_loader, batch_size: int, world_size: int) -> None:
+    """A training loader must yield a full batch on every process."""
+    if len(train_loader) == 0:
+        n = len(getattr(train_loader, "dataset", ()))
+        per = f"{n} cells, {-(-n // world_size)} per process" if n else "no cells"
+        raise GearsInputError(
+            f"train.batch_size={batch_size} is larger than the training set ({per} with "
+            f"{world_size} process(es)): no full batch can be formed. Lower train.batch_size "
+            "(or use fewer processes)"
+        )
+
+
+def non_finite_error(env: DistEnv, conditions, epoch: int, first_bad, recorded) -> Exception:
+    """The NonFiniteLossError naming the first bad micro-batch of any rank (gathered: every
+    rank calls this): epoch, step, batch, rank and its conditions. Under DDP rank 0 prints it
+    before any rank leaves (a launcher ends the other workers when the first one exits)."""
+    mine = None
+    if int(first_bad) >= 0:
+        step, batch_no, ids = recorded[int(first_bad)]
+        mine = (env.rank, step, batch_no, [conditions[int(c)] for c in ids])
+    seen = [r for r in all_gather_objects(env, mine) if r is not None]
+    rank, step, batch_no, names = seen[0]
+    where = f" on rank {rank}" if env.distributed else ""
+    error = NonFiniteLossError(
+        f"the training loss became NaN or infinite at epoch {epoch + 1}, step {step} "
+        f"(batch {batch_no} of the epoch){where}; the batch's conditions: "
+        f"{names[:20]}{' ...' if len(names) > 20 else ''}. No checkpoint was written "
+        "after it. Lower train.lr, keep train.grad_clip > 0, try train.precision=fp32, "
+        "or check these conditions' expression values (NaN, huge raw counts)"
+    )
+    if env.distributed:
+        if env.is_main:
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        barrier(env)
+        error.reported = True
+    return error
+
+
 class Trainer:
-    """Trains a GEARSNet on a PertData split. World size 1 is the single-process case."""
+    """Trains a network on a PertData split. World size 1 is the single-process case.
+
+    __init__ builds what the step uses: the network on its device, wrapped for DDP and
+    torch.compile (wrap_for_training), the optimizer (make_optimizer), the schedule
+    (make_scheduler), the fp16 GradScaler; the loss is loss_on's."""
 
     def __init__(
         self,
@@ -343,6 +364,7 @@ class Trainer:
         wandb_run=None,
         seed: int = 1,
         control_mean: str = "all",
+        evaluator: Evaluator | None = None,
     ):
         self.cfg, self.model_cfg, self.env = train_cfg, model_cfg, env
         self.pert_data = pert_data
@@ -355,32 +377,20 @@ class Trainer:
         self.net = model.to(self.device)
         dist_cfg = dist_cfg or DistributedConfig()
         check_impl(model_cfg, train_cfg, dist_cfg)
-        if env.distributed:
-            set_sync = getattr(self.net, "set_sync_batchnorm", None)  # (the fast network's)
-            if set_sync is not None:
-                set_sync(dist_cfg.sync_batchnorm)
-            # The graphs are built identically on every rank: DDP's default would broadcast
-            # them (MBs at genome scale) from rank 0 before every forward.
-            DDP._set_params_and_buffers_to_ignore_for_model(self.net, graph_buffer_names(self.net))
-            self.model = DDP(
-                self.net,
-                device_ids=[self.device.index] if self.device.type == "cuda" else None,  # GPU-only
-                find_unused_parameters=dist_cfg.find_unused_parameters,
-                static_graph=dist_cfg.static_graph,
-                gradient_as_bucket_view=dist_cfg.gradient_as_bucket_view,
-            )
-        else:
-            self.model = self.net
-        if train_cfg.compile:  # distinct-perturbation rows padded to a few sizes in loss_on
-            self.model = torch.compile(self.model, dynamic=False)
+        check_network(self.net, train_cfg, dist_cfg)
+        self.model = wrap_for_training(self.net, env, dist_cfg, train_cfg.compile)
         self.opt = make_optimizer(self.net.parameters(), train_cfg, self.device)
         self.sched = make_scheduler(self.opt, train_cfg)
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.amp_dtype == torch.float16)
+        self.params = [p for p in self.net.parameters() if p.requires_grad]  # for clipping
+        # What the network reads (its class's declarations): the rows it is given.
+        self.reads_x, self.covariates = reads_x(self.net), declared_covariates(self.net)
+        self.per_cell = self.reads_x or bool(getattr(self.net, "per_cell_rows", False))
         self.gene_mask = to_device(torch.as_tensor(pert_data.non_zero_mask), self.device)
         self.ctrl_mean = to_device(
             torch.as_tensor(pert_data.ctrl_mean, dtype=torch.float32), self.device
         )
-        self.evaluator = Evaluator(pert_data, env, self.net, control_mean=control_mean)
+        self.evaluator = evaluator or Evaluator(pert_data, env, self.net, control_mean)
         self.history = History()
         self.epoch = 0  # epochs completed
         self.step = 0  # optimizer steps taken
@@ -397,46 +407,20 @@ class Trainer:
         # The stop / non-finite flags are read on the host every `check_every` optimizer steps:
         # every step on CPU (free), at the logging interval on GPU (a host sync each time).
         self.check_every = 1 if self.device.type == "cpu" else max(train_cfg.log_every, 1)
-        self.params = [p for p in self.net.parameters() if p.requires_grad]  # for clipping
-        self.faults = FaultHooks(self)
+        self.faults = FaultPlan.from_env(env.rank)  # GEARS_FAULT_KILL (tests); else inert
+        self.faults.attach(self.net)
 
     # ----------------------------------------------------------------------------- one batch
-    def loss_on(self, batch, row_counts=None) -> torch.Tensor:
-        """Forward on the batch's distinct perturbations, broadcast to cells, GEARS loss.
-
-        row_counts: cells per distinct perturbation, a number when equal for every row (the
-        native batch-norm kernel applies), CELL_ROWS for one row per cell (native kernel, same
-        statistics), else None to use batch.counts."""
-        ctx = (
-            torch.autocast(self.device.type, dtype=self.amp_dtype)
-            if self.amp_dtype
-            else contextlib.nullcontext()
-        )
-        rows, counts, to_cells = batch.uniq_pert_index, row_counts, batch.inverse
-        if row_counts is None:
-            counts = batch.counts
-        elif isinstance(row_counts, RepeatRows):
-            repeats = row_counts.repeats.to(rows.device, non_blocking=True)
-            n_rows = int(row_counts.repeats.sum())  # host tensor: no device sync
-            rows = rows.repeat_interleave(repeats, dim=0, output_size=n_rows)
-            counts = row_counts.count
-            to_cells = (torch.cumsum(repeats, 0) - repeats)[batch.inverse]  # first copies
-        elif row_counts == CELL_ROWS:
-            rows, counts, to_cells = rows[batch.inverse], 1.0, None
-        if self.cfg.compile:  # a few row counts -> a few compiled graphs, not one per batch
-            n_rows = rows.shape[0]
-            if not torch.is_tensor(counts):
-                counts = torch.full((n_rows,), float(counts), device=rows.device)
-            rows, counts = pad_rows(rows, counts)
-        with ctx, compiled_backward_as_eager(self.cfg.compile):
-            out = self.model(rows, counts)
-        if self.cfg.compile:
-            out = tuple(o[:n_rows] for o in out) if isinstance(out, tuple) else out[:n_rows]
-        delta, logvar = out if self.model_cfg.uncertainty else (out, None)
-        if to_cells is not None:
-            delta = gather_rows(delta, to_cells)  # (a fixed-order gradient sum)
-            logvar = None if logvar is None else gather_rows(logvar, to_cells)
-        pred = delta.float() + batch.x
+    def loss_on(self, batch, layout: Layout = None) -> torch.Tensor:
+        """The batch's loss: its rows (batch_rows: the distinct groups, or one row per cell, as
+        `layout` says; None = the distinct groups weighted by batch.counts), the network, each
+        cell's prediction (its control cell + the change), GEARS's loss (gears_loss, given
+        every loss field of the model config)."""
+        rows = batch_rows(batch, layout, self.covariates, self.reads_x, pad=self.cfg.compile)
+        with self.autocast(), compiled_backward_as_eager(self.cfg.compile):
+            out = self.model(rows.inputs)
+        change, logvar = cell_outputs(out, rows)
+        pred = predicted_expression(change, batch.x)
         return gears_loss(
             pred,
             batch.y,
@@ -444,33 +428,20 @@ class Trainer:
             batch.counts,
             self.gene_mask[batch.uniq_cond],
             self.ctrl_mean,
-            gamma=self.model_cfg.gamma,
-            direction_lambda=self.model_cfg.direction_lambda,
-            direction_temperature=self.model_cfg.direction_temperature,
             logvar=None if logvar is None else logvar.float(),
-            uncertainty_reg=self.model_cfg.uncertainty_reg,
+            **self.model_cfg.loss_params(),
         )
 
-    def row_layout(self, counts: torch.Tensor) -> float | str | RepeatRows | None:
-        """loss_on's row_counts for a batch with these host counts [U]: the common count when
-        equal (native batch-norm); unless compiled (padded distinct rows keep the compiled
-        shapes few): RepeatRows when counts share a divisor g > 1 that makes at most one more
-        row (grouped batches: [8, 4, 4, ...] -> uniform rows of 4; the weighted path costs
-        more than one row), CELL_ROWS when deduplication removes few rows; else None
-        (weighted). A per-cell network (model.impl=reference) always takes CELL_ROWS."""
-        if getattr(self.net, "per_cell_rows", False):
-            return CELL_ROWS
-        if bool((counts == counts[0]).all()):
-            return float(counts[0])
-        if self.cfg.compile:
-            return None
-        whole = counts.long()
-        g = int(np.gcd.reduce(whole.numpy())) if bool((whole == counts).all()) else 1
-        if g > 1 and int(whole.sum()) // g <= counts.shape[0] + 1:
-            return RepeatRows(float(g), whole // g)
-        if use_cell_rows(counts.shape[0], int(counts.sum())):
-            return CELL_ROWS
-        return None
+    def autocast(self):
+        """The forward's autocast context (train.precision), or none for fp32."""
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.amp_dtype)
+
+    def row_layout(self, counts: torch.Tensor) -> Layout:
+        """The layout of a batch with these host counts [U] (gears.model.rows.row_layout): one
+        row per cell for a network that reads x or asks for per-cell rows."""
+        return row_layout(counts, self.per_cell, self.cfg.compile)
 
     # ------------------------------------------------------------------------ the training step
     def train_step(self, batch, layout, last_micro: bool) -> torch.Tensor:
@@ -494,11 +465,11 @@ class Trainer:
     def train_epoch(self, loader, epoch: int, progress: bool = True) -> tuple[float, int]:
         """One pass over this rank's shard: train_step on each batch, and at step boundaries the
         stop / non-finite check. Returns (mean loss over ranks, cells seen by all ranks)."""
-        self.set_train_mode()
+        set_train_mode(self.model, self.net, self.cfg.freeze_batchnorm)
         loader.set_epoch(epoch)
         accum = self.cfg.grad_accum_steps
         n_batches = min(len(loader), self.cfg.limit_batches or len(loader))
-        totals = self.resume_position(epoch)  # loss sum and cells so far; batches to skip
+        totals = epoch_position(self, epoch)  # loss sum and cells so far; batches to skip
         skipped_before = self.skipped_steps
         watch = NonFiniteWatch(self.device, enabled=not self.scaler.is_enabled())
         log = TrainProgress(self, epoch, n_batches, totals.start, progress)
@@ -521,42 +492,12 @@ class Trainer:
                     stop = self.check_step(epoch, watch)
                     if stop and i + 1 < n_batches:
                         log.close()
-                        return self.stop_mid_epoch(epoch, i + 1, totals)
+                        return stop_mid_epoch(self, epoch, i + 1, totals)
             log.batch_done(i, loss)
         log.close()
         mean_loss = to_host(all_reduce_mean(self.env, totals.loss_sum / max(n_batches, 1))).item()
         self.history.skipped_steps.append(self.skipped_steps - skipped_before)
         return mean_loss, totals.cells * self.env.world_size
-
-    def set_train_mode(self) -> None:
-        """Training mode; batch-norms frozen in eval mode with train.freeze_batchnorm."""
-        self.model.train()
-        if self.cfg.freeze_batchnorm:
-            for m in self.net.modules():
-                if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
-                    m.eval()
-
-    def resume_position(self, epoch: int) -> EpochTotals:
-        """Where this epoch starts: at batch 0, or where a SIGTERM stopped it (with this rank's
-        loss sum and the cells seen so far)."""
-        totals = EpochTotals(torch.zeros((), device=self.device))
-        if self.partial is not None and self.partial["epoch"] == epoch:
-            totals.start, totals.cells = self.partial["batch"], self.partial["cells"]
-            totals.loss_sum += to_device(self.partial["loss_sum"][self.env.rank], self.device)
-        self.partial = None
-        return totals
-
-    def stop_mid_epoch(self, epoch: int, batches_done: int, totals: EpochTotals):
-        """A stop agreed within the epoch: record the position (each rank's running loss over
-        its shard, so each resumes its own sum) for the checkpoint; fit() then stops."""
-        sums = all_gather_objects(self.env, to_host(totals.loss_sum))
-        self.partial = {
-            "epoch": epoch,
-            "batch": batches_done,
-            "cells": totals.cells,
-            "loss_sum": torch.stack(sums),  # [world_size]
-        }
-        return float("nan"), totals.cells * self.env.world_size
 
     def scaler_step(self) -> None:
         """Optimizer step through the GradScaler, counting the steps it skips (fp16 overflow:
@@ -581,45 +522,18 @@ class Trainer:
         stop, bad = to_host(all_reduce_max(self.env, to_device(flags, self.device))).tolist()
         self.stop_agreed = bool(stop)
         if bad:
-            mine = None
-            if int(first_bad) >= 0:
-                step, batch_no, ids = recorded[int(first_bad)]
-                names = [self.pert_data.conditions[int(c)] for c in ids]
-                mine = (self.env.rank, step, batch_no, names)
-            seen = [r for r in all_gather_objects(self.env, mine) if r is not None]
-            rank, step, batch_no, names = seen[0]
-            where = f" on rank {rank}" if self.env.distributed else ""
-            error = NonFiniteLossError(
-                f"the training loss became NaN or infinite at epoch {epoch + 1}, step {step} "
-                f"(batch {batch_no} of the epoch){where}; the batch's conditions: "
-                f"{names[:20]}{' ...' if len(names) > 20 else ''}. No checkpoint was written "
-                "after it. Lower train.lr, keep train.grad_clip > 0, try train.precision=fp32, "
-                "or check these conditions' expression values (NaN, huge raw counts)"
-            )
-            if self.env.distributed:
-                # Every rank stops on this one error: rank 0 prints it, once, and before any
-                # rank leaves (a launcher ends the other workers when the first one exits).
-                if self.env.is_main:
-                    print(f"error: {error}", file=sys.stderr, flush=True)
-                barrier(self.env)
-                error.reported = True
-            raise error
+            raise non_finite_error(self.env, self.pert_data.conditions, epoch, first_bad, recorded)
         return bool(stop)
 
     # ------------------------------------------------------------------------------ training
     def fit(self, loaders: dict, progress: bool = True) -> History:
-        """Train from self.epoch to cfg.epochs. A SIGTERM (Slurm's preemption / time-limit
-        signal) stops every rank at the next step boundary; rank 0 writes a checkpoint and
-        TrainingStopped is raised (the entry points exit with status 0)."""
+        """Train from self.epoch to cfg.epochs: per epoch train_epoch, validation, model
+        selection and early stopping (select_epoch), logging, the checkpoint policy
+        (checkpoint_due). A SIGTERM (Slurm's preemption / time-limit signal) stops every rank at
+        the next step boundary; rank 0 writes a checkpoint and TrainingStopped is raised (the
+        entry points exit with status 0)."""
         train = loaders["train_loader"]
-        if len(train) == 0:
-            n = len(getattr(train, "dataset", ()))
-            per = f"{n} cells, {-(-n // self.env.world_size)} per process" if n else "no cells"
-            raise GearsInputError(
-                f"train.batch_size={self.cfg.batch_size} is larger than the training set ({per} "
-                f"with {self.env.world_size} process(es)): no full batch can be formed. Lower "
-                "train.batch_size (or use fewer processes)"
-            )
+        check_trainable(train, self.cfg.batch_size, self.env.world_size)
 
         def on_sigterm(signum, frame):
             self.stop_requested = True
@@ -629,89 +543,66 @@ class Trainer:
         except ValueError:  # not the main thread (e.g. a notebook worker): no handler
             previous = None
         try:
-            return self._fit(train, loaders, progress)
+            announce(self.env, self.cfg, len(train))
+            for epoch in range(self.epoch, self.cfg.epochs):
+                if self.run_epoch(train, epoch, "val_loader" in loaders, progress):
+                    break
+            if self.best_state is not None:
+                self.net.load_state_dict(self.best_state)
+            return self.history
         finally:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
 
-    def _fit(self, train, loaders: dict, progress: bool) -> History:
-        has_val = "val_loader" in loaders
+    def run_epoch(self, train, epoch: int, has_val: bool, progress: bool) -> bool:
+        """One epoch and what follows it; True when training stops early."""
+        t0 = time.perf_counter()
+        loss, cells = self.train_epoch(train, epoch, progress)
+        if self.partial is not None:  # stopped by SIGTERM within the epoch
+            self.stop_on_signal()
+        train_s = time.perf_counter() - t0
+        sync_buffers(self.env, self.net)
+        self.sched.step()
+        val = self.evaluator.quick("val") if has_val else {}
+        self.epoch = epoch + 1
+        self.history.record(loss, val, time.perf_counter() - t0, cells / max(train_s, 1e-9))
+        stop = self.select_epoch(epoch, selection_score(self.cfg.select, val, loss, epoch))
         if self.env.is_main:
-            eff = self.cfg.batch_size * self.env.world_size * self.cfg.grad_accum_steps
+            log_epoch(self.cfg, self.wandb, self.history, epoch, loss, val, self.step)
+        if self.out_dir is not None and self.checkpoint_due(stop):
+            self.save_checkpoint()
+        self.faults.after_epoch(epoch + 1, self.step)
+        if self.stop_agreed and self.epoch < self.cfg.epochs:
+            self.stop_on_signal()
+        if stop and self.env.is_main:
             print(
-                f"training on {self.device} x {self.env.world_size} process(es): batch "
-                f"{self.cfg.batch_size}/process x {self.env.world_size} x accumulation "
-                f"{self.cfg.grad_accum_steps} = effective batch {eff}; "
-                f"{len(train)} steps/epoch/process, precision {self.cfg.precision}",
+                f"early stopping after epoch {epoch + 1}: no val improvement for "
+                f"{self.cfg.early_stopping_patience} epochs",
                 flush=True,
             )
-        for epoch in range(self.epoch, self.cfg.epochs):
-            t0 = time.perf_counter()
-            loss, cells = self.train_epoch(train, epoch, progress)
-            if self.partial is not None:  # stopped by SIGTERM within the epoch
-                self.stop_on_signal()
-            train_s = time.perf_counter() - t0
-            self.sync_buffers()
-            self.sched.step()
-            val = self.evaluator.quick("val") if has_val else {}
-            self.epoch = epoch + 1
-            self.history.train_loss.append(loss)
-            self.history.val.append(val)
-            self.history.epoch_s.append(time.perf_counter() - t0)
-            self.history.cells_per_s.append(cells / max(train_s, 1e-9))
-            metric = selection_score(self.cfg.select, val, loss, epoch)
-            # Rank 0 decides (all ranks hold the same gathered metric) and broadcasts.
-            decision = None
-            if self.env.is_main:
-                improved = metric < self.best_metric
-                if improved:
-                    self.best_metric, self.best_epoch, self.stale_epochs = metric, epoch, 0
-                else:
-                    self.stale_epochs += 1
-                patience = self.cfg.early_stopping_patience
-                decision = (improved, patience > 0 and self.stale_epochs >= patience)
-            improved, stop = broadcast_object(self.env, decision)
-            if improved:
-                self.best_metric, self.best_epoch = metric, epoch
-                self.best_state = copy.deepcopy(self.net.state_dict())
-            if self.env.is_main:
-                msg = (
-                    f"epoch {epoch + 1}/{self.cfg.epochs}: train loss {loss:.4f}"
-                    + "".join(f", val {k} {v:.4f}" for k, v in val.items())
-                    + f", {self.history.cells_per_s[-1]:.0f} cells/s, "
-                    f"{self.history.epoch_s[-1]:.1f}s"
-                )
-                print(msg, flush=True)
-                if self.wandb is not None:
-                    self.wandb.log(
-                        {
-                            "epoch": epoch + 1,
-                            "train/epoch_loss": loss,
-                            **{f"val/{k}": v for k, v in val.items()},
-                            "train/cells_per_s": self.history.cells_per_s[-1],
-                        },
-                        step=self.step,
-                    )
-            if self.out_dir is not None and (
-                self.epoch % self.cfg.checkpoint_every == 0 or self.epoch == self.cfg.epochs or stop
-            ):
-                self.save_checkpoint()
-            elif self.out_dir is not None and self.stop_agreed:
-                self.save_checkpoint()  # stopping: keep this epoch whatever checkpoint_every says
-            self.faults.after_epoch(epoch + 1, self.step)
-            if self.stop_agreed and self.epoch < self.cfg.epochs:
-                self.stop_on_signal()
-            if stop:
-                if self.env.is_main:
-                    print(
-                        f"early stopping after epoch {epoch + 1}: no val improvement for "
-                        f"{self.cfg.early_stopping_patience} epochs",
-                        flush=True,
-                    )
-                break
-        if self.best_state is not None:
-            self.net.load_state_dict(self.best_state)
-        return self.history
+        return stop
+
+    def select_epoch(self, epoch: int, metric: float) -> bool:
+        """Model selection and early stopping: rank 0 decides (every rank holds the same
+        gathered metric) and broadcasts; an improvement keeps this epoch's weights. True when
+        train.early_stopping_patience epochs have passed without one."""
+        decision = None
+        if self.env.is_main:
+            improved = metric < self.best_metric
+            self.stale_epochs = 0 if improved else self.stale_epochs + 1
+            patience = self.cfg.early_stopping_patience
+            decision = (improved, patience > 0 and self.stale_epochs >= patience)
+        improved, stop = broadcast_object(self.env, decision)
+        if improved:
+            self.best_metric, self.best_epoch = metric, epoch
+            self.best_state = copy.deepcopy(self.net.state_dict())
+        return stop
+
+    def checkpoint_due(self, stopping: bool) -> bool:
+        """The checkpoint policy after an epoch: every train.checkpoint_every epochs, the last
+        one, and whenever training stops (early stopping or a SIGTERM)."""
+        every = self.epoch % self.cfg.checkpoint_every == 0
+        return every or self.epoch == self.cfg.epochs or stopping or self.stop_agreed
 
     def stop_on_signal(self) -> None:
         """Every rank: rank 0 writes the checkpoint (mid-epoch position included), then all
@@ -722,29 +613,17 @@ class Trainer:
                 self.save_checkpoint()
             where = ckpt.list_checkpoints(os.path.join(self.out_dir, "checkpoints"))[-1:]
         if self.env.is_main:
-            pos = (
-                f"epoch {self.epoch + 1}, step {self.step}"
-                if self.partial
-                else (f"the end of epoch {self.epoch}")
-            )
+            pos = f"epoch {self.epoch + 1}, step {self.step}" if self.partial else None
             saved = (
                 f"wrote {where[0]}; run the same command with train.resume=true to continue"
                 if where
                 else "no out_dir, nothing saved"
             )
-            print(f"SIGTERM received: stopped at {pos}; {saved}", flush=True)
+            print(
+                f"SIGTERM received: stopped at {pos or f'the end of epoch {self.epoch}'}; {saved}",
+                flush=True,
+            )
         raise TrainingStopped(f"stopped by SIGTERM at step {self.step}")
-
-    def sync_buffers(self) -> None:
-        """Rank 0's batch-norm running statistics on every rank. Without sync_batchnorm each rank
-        updates them with its own batches after DDP's pre-forward broadcast, so evaluation
-        (chunks dealt to ranks), the best state and checkpoints would depend on the rank."""
-        if not self.env.distributed:
-            return
-        graphs = set(graph_buffer_names(self.net))
-        for name, buf in self.net.named_buffers():
-            if name not in graphs:
-                dist.broadcast(buf, src=0)
 
     def unwrap(self) -> None:
         """Drop the DDP wrapper (after training), so that it is freed while the process group
@@ -752,128 +631,16 @@ class Trainer:
         self.model = self.net
 
     # ---------------------------------------------------------------------------- checkpoints
-    def meta(self) -> dict:
-        """What a checkpoint must share with the run resuming it (checked by name on resume)."""
-        return {
-            "vocab_hash": self.vocab_hash,
-            **self.model_cfg.shape_fields(),
-            # A mid-epoch position only means the same batches with these:
-            "world_size": self.env.world_size,
-            "train.batch_size": self.cfg.batch_size,
-            "train.grad_accum_steps": self.cfg.grad_accum_steps,
-            "train.batching": self.cfg.batching,
-        }
-
-    def state(self) -> dict:
-        """The whole training state as tensors and plain values (weights_only-loadable)."""
-        history = {
-            k: [_plain(v) for v in vals] for k, vals in dataclasses.asdict(self.history).items()
-        }
-        return {
-            "format": ckpt.FORMAT_VERSION,
-            "meta": self.meta(),
-            "config": {
-                "train": dataclasses.asdict(self.cfg),
-                "model": dataclasses.asdict(self.model_cfg),
-            },
-            "partial": self.partial,
-            "skipped_steps": self.skipped_steps,
-            "model": self.net.state_dict(),
-            "optimizer": self.opt.state_dict(),
-            "scheduler": self.sched.state_dict(),
-            "scaler": self.scaler.state_dict(),
-            "rng": rng_state(self.device),
-            "epoch": self.epoch,
-            "step": self.step,
-            "best_metric": float(self.best_metric),
-            "best_epoch": self.best_epoch,
-            "best_state": self.best_state,
-            "stale_epochs": self.stale_epochs,
-            "history": history,
-            "world_size": self.env.world_size,
-            "cpu_threads": torch.get_num_threads(),
-        }
-
     def save_checkpoint(self) -> None:
-        folder = os.path.join(self.out_dir, "checkpoints")
-        barrier(self.env)  # every rank has finished the epoch before rank 0 writes
-        if self.env.is_main:
-            done = self.partial["batch"] // self.cfg.grad_accum_steps if self.partial else 0
-            path = ckpt.checkpoint_path(folder, self.epoch, done)
-            ckpt.atomic_save(self.state(), path)
-            ckpt.prune(folder, keep=2)
-        barrier(self.env)
-
-    def _load_checkpoint_on_rank_0(self, log) -> dict | None:
-        """The newest readable, compatible checkpoint, read by rank 0 and broadcast: only rank 0
-        writes checkpoints, so on node-local disks the other nodes have none (every rank must
-        resume from the same state, or their epochs and collectives stop matching). A refusal
-        on rank 0 is raised on every rank."""
-        outcome = None
-        if self.env.is_main:
-            folder = os.path.join(self.out_dir, "checkpoints")
-            try:
-                # On the CPU whatever device wrote it: load_state_dict moves weights and
-                # optimizer state to the parameters' device; RNG states must stay CPU tensors.
-                state = ckpt.load_latest(folder, map_location="cpu", log=log)
-                if state is not None:
-                    mid_epoch = bool(state.get("partial"))
-                    expected = {
-                        k: v
-                        for k, v in self.meta().items()
-                        if mid_epoch or k == "vocab_hash" or k.startswith("model.")
-                    }
-                    ckpt.check_compatible(state, state["path"], expected)
-                outcome = (state, None)
-            except GearsInputError as e:
-                outcome = (None, str(e))
-        state, refusal = broadcast_object(self.env, outcome)
-        if refusal is not None:
-            raise GearsInputError(refusal)
-        return state
+        """Rank 0 writes the whole training state (gears.training_state.write_checkpoint)."""
+        write_checkpoint(self)
 
     def resume(self, asked: bool = True) -> bool:
         """Continue from the newest readable checkpoint in out_dir/checkpoints, if any, when any
-        rank asks: after a node's worker fails, torchrun counts a restart on that node only
-        (TORCHELASTIC_RESTART_COUNT; the other nodes restart for the membership change without
-        counting), yet every rank must resume. Every rank calls this."""
-        if self.env.distributed:
-            flag = to_device(torch.tensor(float(asked)), self.device)
-            asked = bool(to_host(all_reduce_max(self.env, flag)).item())
-        if not asked:
+        rank asks (gears.training_state.resume). Every rank calls this."""
+        kernel = optimizer_kernel(self.cfg.optimizer, self.device)
+        if not resume(self, asked, kernel):
             return False
-        log = print if self.env.is_main else (lambda *_: None)
-        state = self._load_checkpoint_on_rank_0(log)
-        if state is None:
-            folder = os.path.join(self.out_dir, "checkpoints")
-            log(f"train.resume: no checkpoint in {folder}; starting from scratch")
-            return False
-        self.net.load_state_dict(state["model"])
-        # A loaded optimizer state carries the writer's kernel choice (fused or foreach): name
-        # this device's kernel before loading, so that load_state_dict places Adam's step
-        # counters where it wants them (fused: float32 on the parameters' device; foreach: as
-        # loaded, on the host, since checkpoints load to CPU).
-        for group in state["optimizer"]["param_groups"]:
-            group.update(optimizer_kernel(self.cfg.optimizer, self.device))
-        self.opt.load_state_dict(state["optimizer"])
-        self.sched.load_state_dict(state["scheduler"])
-        # An fp32 or bf16 run saves a disabled scaler's empty state; fp16 then starts afresh.
-        if state["scaler"]:
-            self.scaler.load_state_dict(state["scaler"])
-        set_rng_state(state["rng"], self.device)
-        self.epoch, self.step = state["epoch"], state["step"]
-        self.best_metric, self.best_epoch = state["best_metric"], state["best_epoch"]
-        self.best_state, self.stale_epochs = state["best_state"], state["stale_epochs"]
-        self.history = History(**state["history"])
-        self.partial, self.skipped_steps = state["partial"], state["skipped_steps"]
-        where = f", {self.partial['batch']} batches into the next" if self.partial else ""
-        log(f"resumed from {state['path']} (epoch {self.epoch}{where}, step {self.step})")
-        threads, now = state.get("cpu_threads"), torch.get_num_threads()
-        if self.device.type == "cpu" and threads is not None and threads != now:
-            log(
-                f"note: this run has {now} CPU threads, the checkpoint's run had {threads}: float "
-                "sums add in another order, so it ends near, not exactly at, where that run "
-                f"would have (train.threads={threads} resumes it exactly)"
-            )
         self.resumed = True
+        self.faults.disarm()
         return True

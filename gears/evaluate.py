@@ -11,6 +11,13 @@ from gears.data.conditions import CTRL
 from gears.device import to_device, to_host
 from gears.distributed import DistEnv, all_gather_objects
 from gears.errors import GearsInputError
+from gears.model.batch import (
+    ModelBatch,
+    declared_covariates,
+    predicted_expression,
+    reads_x,
+    split_output,
+)
 
 EVAL_CHUNK = 64  # conditions per forward; fixed so results do not depend on the world size
 EVAL_PAIRING_EPOCH = 0  # evaluation pairs each cell with the control drawn for epoch 0
@@ -22,22 +29,38 @@ EVAL_PAIRING_EPOCH = 0  # evaluation pairs each cell with the control drawn for 
 
 @torch.no_grad()
 def predict_deltas(
-    net: torch.nn.Module, pert_index: np.ndarray, env: DistEnv | None = None
+    net: torch.nn.Module,
+    pert_index: np.ndarray,
+    env: DistEnv | None = None,
+    covariates: dict[str, np.ndarray] | None = None,
+    x=None,
 ) -> tuple[np.ndarray, np.ndarray | None]:
-    """The network's response (and log-variance) per perturbation row, batch-norm in eval mode.
+    """The network's predicted change (and log-variance) per row, batch-norm in eval mode.
 
-    pert_index [C, P] -> delta [C, G] float64 (logvar [C, G] or None). Chunks of EVAL_CHUNK rows
-    are dealt round-robin to ranks and gathered, so every rank gets the full, identical result.
+    pert_index [N, P]; covariates: name -> [N] codes, of which the network is given the names
+    it declares; x: for a network that reads x, each row's control cell, [N, G] or a function
+    of row positions giving their [n, G] rows. -> change [N, G] float64 (logvar [N, G] or
+    None). Chunks of EVAL_CHUNK rows are dealt round-robin to ranks and gathered, so every rank
+    gets the full, identical result.
     """
     env = env or DistEnv()
     was_training = net.training
     net.eval()
     device = next(net.parameters()).device
+    codes = _declared_codes(net, covariates or {})
+    wants_x = reads_x(net)
+    if wants_x and x is None:
+        raise GearsInputError("this network reads x: give each row's control cell")
     chunks = np.array_split(np.arange(len(pert_index)), max(1, -(-len(pert_index) // EVAL_CHUNK)))
     mine = {}
     for c in range(env.rank, len(chunks), env.world_size):
-        out = net(to_device(torch.as_tensor(pert_index[chunks[c]]), device))
-        delta, logvar = out if isinstance(out, tuple) else (out, None)
+        rows = chunks[c]
+        batch = ModelBatch(
+            to_device(torch.as_tensor(pert_index[rows]), device),
+            x=to_device(_rows_of(x, rows), device) if wants_x else None,
+            covariates={k: to_device(torch.as_tensor(v[rows]), device) for k, v in codes.items()},
+        )
+        delta, logvar = split_output(net(batch))
         mine[c] = (
             to_host(delta.float()).numpy(),
             None if logvar is None else to_host(logvar.float()).numpy(),
@@ -53,6 +76,25 @@ def predict_deltas(
     return delta, logvar
 
 
+def _declared_codes(net: torch.nn.Module, covariates: dict[str, np.ndarray]) -> dict:
+    """The codes of the covariates the network declares, by name (a missing one is an error)."""
+    names = declared_covariates(net)
+    missing = [n for n in names if n not in covariates]
+    if missing:
+        raise GearsInputError(
+            f"the network reads covariates {missing}; give their values (e.g. "
+            f"GEARS.predict(..., covariates={{{missing[0]!r}: ...}}))"
+        )
+    return {n: np.asarray(covariates[n], dtype=np.int64) for n in names}
+
+
+def _rows_of(x, rows: np.ndarray) -> torch.Tensor:
+    """Rows `rows` of x ([N, G] array or tensor, or a function of row positions)."""
+    if callable(x):
+        return torch.as_tensor(x(rows), dtype=torch.float32)
+    return torch.as_tensor(np.asarray(x)[rows], dtype=torch.float32)
+
+
 def segment_mean(X, codes: np.ndarray, rows: np.ndarray, n_groups: int) -> np.ndarray:
     """Mean of X[rows[i]] over i per group codes[i], via a sparse indicator. -> [groups, genes]."""
     n = len(codes)
@@ -63,7 +105,14 @@ def segment_mean(X, codes: np.ndarray, rows: np.ndarray, n_groups: int) -> np.nd
 
 
 class Evaluator:
-    """Scores a model on a split set with every cell's truth, caching the data-only parts."""
+    """Scores a model on a split set with every cell's truth, caching the data-only parts.
+
+    The unit scored is what the network's output depends on: a perturbation for GEARS (one row
+    per condition: change + control mean, exact), a (perturbation, covariate values) group for
+    a network that reads covariates (codes against `categories`, the model's), and for a
+    network that reads x the mean over a unit's cells of each cell's prediction from its paired
+    control cell (eval.control_mean=paired's cells, whatever control_mean says).
+    """
 
     def __init__(
         self,
@@ -71,20 +120,35 @@ class Evaluator:
         env: DistEnv | None = None,
         net: torch.nn.Module | None = None,
         control_mean: str = "all",
+        categories: dict[str, list[str]] | None = None,
     ):
-        if control_mean not in CHOICES["eval.control_mean"]:
-            raise GearsInputError(
-                f"eval.control_mean must be one of {CHOICES['eval.control_mean']}, "
-                f"got {control_mean!r}"
-            )
         self.pd = pert_data
         self.env = env or DistEnv()
         self.net = net
         self.control_mean = control_mean
+        self.categories = dict(categories or {})
         self._cache: dict = {}
 
+    @property
+    def control_mean(self) -> str:
+        """How a predicted mean is formed (eval.control_mean): all or paired."""
+        return self._control_mean
+
+    @control_mean.setter
+    def control_mean(self, name: str) -> None:
+        if name not in CHOICES["eval.control_mean"]:
+            raise GearsInputError(
+                f"eval.control_mean must be one of {CHOICES['eval.control_mean']}, got {name!r}"
+            )
+        self._control_mean = name
+
     def set_view(self, set_name: str) -> dict:
-        """Conditions (no ctrl) of a set, their cells, truth means, mean paired control."""
+        """The units of a set (its conditions, no ctrl; with covariates, its distinct
+        (condition, codes) groups), their cells, truth means, mean paired control.
+
+        "conditions" [C] and "cond_ids" [C] name each unit's condition, "covariates" its codes
+        (name -> [C]), "cell_condition" [cells] each cell's unit, "rows" and "pair_rows" the
+        cells' rows and their paired control cells' (EVAL_PAIRING_EPOCH)."""
         if set_name in self._cache:
             return self._cache[set_name]
         pd_ = self.pd
@@ -95,35 +159,93 @@ class Evaluator:
         examples = np.flatnonzero(keep)
         order = np.argsort(ids)  # position of each example's condition within `conds`
         local = order[np.searchsorted(ids[order], ds.cond[examples])]
+        rows, covariates = ds.rows[examples], {}
+        names = declared_covariates(self.net) if self.net is not None else ()
+        if names:  # units: the distinct (condition, covariate codes) of the cells
+            codes = self.cell_covariates(names)
+            key = np.stack([local, *(codes[n][rows] for n in names)], axis=1)
+            units, local = np.unique(key, axis=0, return_inverse=True)
+            local = local.reshape(-1)
+            conds, ids = [conds[i] for i in units[:, 0]], ids[units[:, 0]]
+            covariates = {n: units[:, i + 1] for i, n in enumerate(names)}
         X = pd_.expr.numpy()
+        pair_rows = ds.control_rows(examples, EVAL_PAIRING_EPOCH)
         view = {
             "conditions": conds,
             "cond_ids": ids,
-            "rows": ds.rows[examples],
+            "covariates": covariates,
+            "rows": rows,
+            "pair_rows": pair_rows,
             "cell_condition": local,
-            "truth_mean": segment_mean(X, local, ds.rows[examples], len(conds)),
-            "pair_mean": segment_mean(
-                X, local, ds.control_rows(examples, EVAL_PAIRING_EPOCH), len(conds)
-            ),
+            "truth_mean": segment_mean(X, local, rows, len(conds)),
+            "pair_mean": segment_mean(X, local, pair_rows, len(conds)),
         }
         self._cache[set_name] = view
         return view
 
+    def cell_covariates(self, names: tuple[str, ...]) -> dict[str, np.ndarray]:
+        """Each cell row's code [cells] per covariate, against the model's categories."""
+        from gears.data.covariates import cell_codes
+
+        missing = [n for n in names if n not in self.categories]
+        if missing:
+            raise GearsInputError(
+                f"the network reads covariates {missing}: give the Evaluator the model's "
+                "categories (GEARS does), so codes mean what they meant in training"
+            )
+        return cell_codes(self.pd, {n: self.categories[n] for n in names})
+
     def control_means(self, set_name: str) -> np.ndarray:
-        """The control profile each condition's predicted change is added to -> [C, G]."""
+        """The control profile each unit's predicted change is added to -> [C, G]: the mean of
+        the control cells its cells are drawn from (all of them; with contexts, those of each
+        cell's context), or with control_mean=paired the mean of the cells paired with its
+        cells."""
         view = self.set_view(set_name)
         if self.control_mean == "paired":
             return view["pair_mean"]
-        return np.broadcast_to(np.asarray(self.pd.ctrl_mean, np.float64), view["pair_mean"].shape)
+        contexts = getattr(self.pd, "cell_context", None)
+        if contexts is None:
+            shape = view["pair_mean"].shape
+            return np.broadcast_to(np.asarray(self.pd.ctrl_mean, np.float64), shape)
+        if "context_mean" not in view:  # each cell's context's control mean, per unit
+            n_units, n_contexts = len(view["conditions"]), len(self.pd.contexts)
+            cells = sp.csr_matrix(
+                (np.ones(len(view["rows"])), (view["cell_condition"], contexts[view["rows"]])),
+                shape=(n_units, n_contexts),
+            )
+            share = cells.multiply(1.0 / np.maximum(cells.sum(1), 1)).tocsr()
+            view["context_mean"] = np.asarray(share @ self.pd.context_ctrl_means)
+        return view["context_mean"]
 
     def predict_means(self, set_name: str, net: torch.nn.Module | None = None) -> np.ndarray:
-        """Mean predicted profile per condition [C, G] = response + control mean (see
-        eval.control_mean: all control cells by default, or the cells paired with its cells)."""
-        view = self.set_view(set_name)
+        """Mean predicted profile per unit [C, G] = its predicted change + its control mean
+        (see control_means); for a network that reads x, the mean over the unit's cells of
+        each cell's prediction from its paired control cell."""
+        view, net = self.set_view(set_name), net or self.net
+        if reads_x(net):
+            return self._per_cell_means(view, net)
         delta, _ = predict_deltas(
-            net or self.net, self.pd.cond_pert_index[view["cond_ids"]], self.env
+            net, self.pd.cond_pert_index[view["cond_ids"]], self.env, view["covariates"]
         )
-        return delta + self.control_means(set_name)
+        return predicted_expression(delta, self.control_means(set_name))
+
+    def _per_cell_means(self, view: dict, net: torch.nn.Module) -> np.ndarray:
+        """A network that reads x: every cell of the set through the network with its paired
+        control cell, each prediction x + change, the mean per unit."""
+        unit = view["cell_condition"]
+        pert_index = self.pd.cond_pert_index[view["cond_ids"][unit]]
+        covariates = {n: c[unit] for n, c in view["covariates"].items()}
+        pair_rows = view["pair_rows"]
+
+        def x(cells: np.ndarray) -> torch.Tensor:
+            return to_host(self.pd.expr.rows(pair_rows[cells]))
+
+        change, _ = predict_deltas(net, pert_index, self.env, covariates, x)
+        X = self.pd.expr.numpy()
+        pair = X[pair_rows]
+        pair = pair.toarray() if sp.issparse(pair) else np.asarray(pair, np.float64)
+        cells = predicted_expression(change, pair)
+        return segment_mean(cells, unit, np.arange(len(unit)), len(view["conditions"]))
 
     def quick(self, set_name: str, net: torch.nn.Module | None = None) -> dict[str, float]:
         """The per-epoch validation metrics: mse, mse_de, pearson, pearson_delta (means)."""

@@ -449,16 +449,12 @@ def predict_cells(
     With `out`, the cells are written there in chunks (write_prediction) and what is returned is
     the file's AnnData without X and layers (obs, var, uns): the expression stays on disk.
 
-    One network forward per chunk of perturbations (gears.evaluate.predict_deltas), never one
-    per cell.
+    One network forward per chunk of perturbations (GEARS.predict_changes), never one per cell.
     """
-    from gears.evaluate import predict_deltas
-
     control_names = [info.get("control_label", CTRL)]
     conditions = resolve_perturbations(labels, model.pert_data.node_map_pert, control_names)
     labels = data_spelling(conditions, labels, info.get("condition_spelling", {}))
-    rows = model._pert_rows([condition_genes(c) for c in conditions])
-    delta, logvar = predict_deltas(model.prediction_net(), rows)
+    delta, logvar = model.predict_changes([condition_genes(c) for c in conditions])
     args = (
         labels,
         conditions,

@@ -14,7 +14,7 @@ import numpy as np
 
 from gears import checkpoint as ckpt
 from gears.config import Config, load_config
-from gears.distributed import DistEnv, build_in_stages, release
+from gears.distributed import DistEnv, build_in_stages
 from gears.errors import GearsInputError, TrainingStopped
 from gears.runtime import set_threads, tune_allocator
 
@@ -91,6 +91,7 @@ def load_pert_data(cfg: Config, env: DistEnv, store=None):
                 control_names=tuple(cfg.data.control_names),
                 normalize=cfg.data.normalize,
             )
+        pert_data.set_context_key(cfg.data.context_key)
         split = cfg.split
         pert_data.prepare_split(
             split.type,
@@ -225,7 +226,7 @@ def run(cfg: Config, env: DistEnv, pert_data=None) -> dict | None:
     from gears.api import GEARS
     from gears.baselines import baseline_predictions
     from gears.engine import seed_everything
-    from gears.evaluate import Evaluator
+    from gears.model import network_class
     from gears.plotting import plot_history
 
     t_start = time.perf_counter()
@@ -233,6 +234,7 @@ def run(cfg: Config, env: DistEnv, pert_data=None) -> dict | None:
         from gears.predict import require_cell_eval
 
         require_cell_eval()  # before training: say how to install it, not after an hour
+    network_class(cfg.model.impl)  # a fork's class that cannot be found: said before the data
     seed_everything(cfg.seed)
     out = Path(cfg.out_dir)
     if env.is_main:
@@ -253,16 +255,14 @@ def run(cfg: Config, env: DistEnv, pert_data=None) -> dict | None:
     train_s = time.perf_counter() - t_train
 
     t_eval = time.perf_counter()
-    evaluator = Evaluator(pert_data, env, model.model, control_mean=cfg.eval.control_mean)
+    evaluator = model.evaluator  # its protocol: eval.control_mean, set by train()
     has_test = bool([c for c in pert_data.set2conditions.get("test", []) if c != "ctrl"])
     pred = evaluator.predict_means("test") if has_test else None  # every rank takes part
     has_train = bool([c for c in pert_data.set2conditions.get("train", []) if c != "ctrl"])
     train_pred = evaluator.predict_means("train") if has_train else None
     # Every collective (each gathered prediction) must come before this point: the ranks leave
     # the group here and rank 0 alone scores below, with no collective timeout pending.
-    model.trainer.unwrap()  # DDP is not needed any more; free it while the group is alive
-    env = release(env)  # the last collective: the other ranks are done
-    model.env = evaluator.env = env
+    env = model.release_process_group()  # the last collective: the other ranks are done
     results = None
     if env.is_main:
         injected_delay("scoring", env.rank)
@@ -273,10 +273,10 @@ def run(cfg: Config, env: DistEnv, pert_data=None) -> dict | None:
             "effective_batch_size": cfg.train.batch_size
             * env.world_size
             * cfg.train.grad_accum_steps,
-            "best_epoch": model.trainer.best_epoch + 1,
+            "best_epoch": model.best_epoch + 1,
             "select": cfg.train.select,
             "control_mean": cfg.eval.control_mean,
-            "val_best": history.val[model.trainer.best_epoch] if history.val else {},
+            "val_best": history.val[model.best_epoch] if history.val else {},
             "test": {},
             "subgroups": {},
             "baselines": {},
@@ -323,8 +323,9 @@ def run(cfg: Config, env: DistEnv, pert_data=None) -> dict | None:
         model.save_model(out / "model")
         plot_history(history, out / "plots" / "loss.png")
         if has_test:
-            for cond in evaluator.set_view("test")["conditions"][: cfg.train.plot_conditions]:
-                model.plot_perturbation(cond, out / "plots" / f"{cond.replace('+', '_')}.png")
+            for cond, values in model.test_units()[: cfg.train.plot_conditions]:
+                name = "_".join([cond.replace("+", "_"), *values.values()])
+                model.plot_perturbation(cond, out / "plots" / f"{name}.png", values)
         results = _clean(results)
         text = json.dumps(results, indent=1)
         ckpt.atomic_write(out / "metrics.json", lambda tmp: tmp.write_text(text))
@@ -348,11 +349,10 @@ def run(cfg: Config, env: DistEnv, pert_data=None) -> dict | None:
 def cell_eval_test_scores(cfg: Config, pert_data, model, conditions, baseline_means, out):
     """cell-eval's vcc profile on the test perturbations for GEARS and every baseline, each
     turned into cells the same way (control cell + predicted change). Rank 0 only."""
-    from gears.evaluate import predict_deltas
+    from gears.data.conditions import condition_genes
     from gears.predict import score_test_set
 
-    ids = np.array([pert_data.cond_to_id[c] for c in conditions], dtype=np.int64)
-    delta, _ = predict_deltas(model.model, pert_data.cond_pert_index[ids])
+    delta, _ = model.predict_changes([condition_genes(c) for c in conditions])
     deltas = {"gears": delta}
     deltas.update({name: m - pert_data.ctrl_mean[None, :] for name, m in baseline_means.items()})
     t0 = time.perf_counter()

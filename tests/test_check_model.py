@@ -3,6 +3,8 @@ edit of the fast network departs from the reference (the edits monkeypatched in)
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -89,3 +91,49 @@ def test_weights_that_do_not_load_are_a_clear_failure(screen, monkeypatch):
     monkeypatch.setattr(network.MLP, "__init__", init)
     report = cm.check_model(*screen)
     assert not report.ok and "emb_trans_v2.scale" in report.table()
+
+
+# ------------------------------------------------------------------------- contract checks
+class ReadsXUndeclared(reference.GEARSReference):
+    """A fork that adds the control cell when it is given one, without declaring reads_x."""
+
+    def forward_cells(self, cells):
+        change = super().forward_cells(cells)
+        return change if cells.x is None else change + 0.1 * cells.x
+
+
+def test_contract_holds_for_the_code_as_it_is(screen):
+    report = cm.check_model(*screen)
+    assert report.contract and not any(report.contract.values()), report.table()
+    assert "contract: distinct rows = one row per cell: ok" in report.table()
+
+
+def test_a_row_mixing_layer_fails_the_distinct_rows_check(screen, monkeypatch):
+    """Centring each MLP output over its rows (a mean over the batch dimension, weighted by
+    nothing): distinct rows no longer stand for their cells."""
+    forward = network.MLP.forward
+    monkeypatch.setattr(
+        network.MLP, "forward", lambda s, x, *a: (lambda y: y - y.mean(0))(forward(s, x, *a))
+    )
+    report = cm.check_model(*screen)
+    problem = report.contract["distinct rows = one row per cell"]
+    assert not report.ok and "train mode" in problem, report.table()
+
+
+def test_reading_x_without_declaring_it_is_named(screen):
+    cfg, pert_data = screen
+    impl = "tests.test_check_model:ReadsXUndeclared"
+    report = cm.check_model(replace(cfg, model=replace(cfg.model, impl=impl)), pert_data)
+    problem = report.contract["undeclared inputs ignored"]
+    assert "a control cell x (reads_x is False)" in problem, report.table()
+    assert not report.ok
+
+
+def test_the_context_fork_passes_the_contract(tmp_path):
+    from pathlib import Path
+
+    fork = Path(__file__).resolve().parents[1] / "examples" / "context_gears.py"
+    overrides = [*_overrides(tmp_path), f"model.impl={fork}:ContextGEARS"]
+    cfg = load_config(None, [*overrides, "data.context_key=cell_type"], base=DEFAULT_CONFIG)
+    report = cm.check_model(cfg, load_pert_data(cfg, DistEnv()))
+    assert report.ok and "context_emb.weight" in report.skipped, report.table()

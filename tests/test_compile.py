@@ -12,6 +12,7 @@ import torch
 import torch._dynamo
 from torch._dynamo.testing import CompileCounter
 
+from gears.model.batch import ModelBatch
 from gears.model.rows import pad_rows
 from tests.test_network import COUNTS, UNIQ, _make_net
 
@@ -26,7 +27,7 @@ def fresh_dynamo():
 @pytest.mark.parametrize("counts", [COUNTS.float(), 3.0], ids=["row-counts", "uniform"])
 def test_network_traces_without_graph_breaks(counts):
     net = _make_net().float().train()
-    explained = torch._dynamo.explain(net)(UNIQ, counts)
+    explained = torch._dynamo.explain(net)(ModelBatch(UNIQ, counts))
     assert explained.graph_break_count == 0, explained.break_reasons
     assert explained.graph_count == 1
 
@@ -46,8 +47,7 @@ def test_padded_batches_compile_once_per_bucket():
     compiled = torch.compile(net, backend=counter, dynamic=False)
     sizes = [3, 5, 8, 12, 7, 16, 9, 30, 20, 4, 17, 13]
     for n_rows in sizes:
-        rows, counts = pad_rows(*_random_rows(n_rows, gen))
-        out = compiled(rows, counts)[:n_rows]
+        out = compiled(pad_rows(ModelBatch(*_random_rows(n_rows, gen))))[:n_rows]
         out.square().mean().backward()
     assert counter.frame_count == 3
 
@@ -55,7 +55,7 @@ def test_padded_batches_compile_once_per_bucket():
     unpadded = CompileCounter()
     compiled = torch.compile(_make_net().float().train(), backend=unpadded, dynamic=False)
     for n_rows in sizes[:3]:
-        compiled(*_random_rows(n_rows, gen))
+        compiled(ModelBatch(*_random_rows(n_rows, gen)))
     assert unpadded.frame_count == 3  # the failure the padding prevents
 
 

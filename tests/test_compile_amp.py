@@ -104,7 +104,7 @@ def _step(trainer: Trainer, initial: dict, batch, layout) -> dict[str, torch.Ten
     trainer.opt.zero_grad(set_to_none=True)
     outputs = []
     model = trainer.model
-    trainer.model = lambda rows, counts: outputs.append(model(rows, counts)) or outputs[-1]
+    trainer.model = lambda inputs: outputs.append(model(inputs)) or outputs[-1]
     try:
         loss = trainer.loss_on(batch, layout)
     finally:

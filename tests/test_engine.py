@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import signal
 import subprocess
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +22,7 @@ from gears.data.pertdata import PertData
 from gears.distributed import DistEnv
 from gears.engine import Trainer, autocast_dtype, make_scheduler, seed_everything
 from gears.errors import GearsInputError
+from gears.model.batch import ModelBatch
 
 
 @pytest.fixture(scope="module")
@@ -195,6 +198,23 @@ def test_fp16_on_cpu_is_a_clear_error():
     assert autocast_dtype("fp32", torch.device("cpu")) is None
 
 
+def test_a_finished_run_is_freed_without_the_garbage_collector(tiny, tmp_path):
+    """Nothing holds the Trainer in a reference cycle (the fault hooks held it while it held
+    them), so a finished run's network, optimizer state and checkpoint copies are freed as soon
+    as the model is dropped, not when the cycle collector happens to run."""
+    model = build(tiny)
+    model.out_dir = tmp_path
+    model.train(epochs=1, batch_size=16, limit_batches=2, select="val_mse", progress=False)
+    refs = {"trainer": weakref.ref(model.trainer), "network": weakref.ref(model.model)}
+    gc.disable()
+    try:
+        del model
+        alive = [name for name, ref in refs.items() if ref() is not None]
+    finally:
+        gc.enable()
+    assert alive == []
+
+
 def test_unknown_schedule_is_a_clear_error():
     """A misspelt train.schedule (set past the config's check, as a Python caller can) names
     the choices instead of training silently at a constant rate."""
@@ -217,7 +237,7 @@ def test_gradients_reach_graph_embeddings_after_many_steps(tiny):
     net.train()
     for _ in range(2):  # a second forward must still reach pert_emb
         net.zero_grad()
-        out = net(torch.tensor([[0, 1], [2, -1]]), torch.tensor([3.0, 2.0]))
+        out = net(ModelBatch(torch.tensor([[0, 1], [2, -1]]), torch.tensor([3.0, 2.0])))
         out.pow(2).mean().backward()
         assert net.pert_emb.weight.grad.abs().sum() > 0
         assert net.emb_pos.weight.grad.abs().sum() > 0
@@ -305,7 +325,7 @@ def test_predict_equals_mean_of_per_cell_predictions(tiny):
     index = torch.full((len(x), 2), -1)
     index[:, 0] = tiny.node_map_pert[gene]
     with torch.no_grad():
-        per_cell = (net(index) + x).mean(0).numpy()
+        per_cell = (net(ModelBatch(index)) + x).mean(0).numpy()
     np.testing.assert_allclose(model.predict([[gene]])[gene], per_cell, atol=1e-5)
 
 

@@ -7,6 +7,7 @@ import copy
 import torch
 
 from gears.config import ModelConfig
+from gears.model.batch import ModelBatch
 from gears.model.network import GEARSNet
 
 G, P, H = 5000, 60, 32
@@ -24,7 +25,7 @@ def _step(net: GEARSNet, rows, counts, target, dtype) -> tuple[torch.Tensor, tor
     like GradScaler does in fp16 (small gradients would flush to zero) and unscaled after."""
     scale = SCALE if dtype == torch.float16 else 1.0
     with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
-        out = net(rows, counts)
+        out = net(ModelBatch(rows, counts))
     loss = (counts[:, None] * (out.float() - target) ** 2).sum() / (counts.sum() * G)
     (loss * scale).backward()
     for p in net.parameters():

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gears.config import ModelConfig
+from gears.model.batch import ModelBatch
 from gears.model.kernels import (
     WeightedBatchNorm1d,
     _BlockWeightedBatchNormFn,
@@ -465,8 +466,8 @@ def test_dedup_rows_with_counts_equal_per_cell_batch(uncertainty):
     net_c = copy.deepcopy(net_u)
     net_u.train()
     net_c.train()
-    out_u = net_u(UNIQ, COUNTS)
-    out_c = net_c(UNIQ[INVERSE])  # every cell its own row: the original GEARS batch
+    out_u = net_u(ModelBatch(UNIQ, COUNTS))
+    out_c = net_c(ModelBatch(UNIQ[INVERSE]))  # every cell its own row: the original GEARS batch
     if uncertainty:
         assert isinstance(out_u, tuple) and isinstance(out_c, tuple)
         _assert_close(out_u[1][INVERSE], out_c[1], name="logvar")
@@ -483,10 +484,10 @@ def test_dedup_rows_with_counts_equal_per_cell_batch(uncertainty):
 def test_uniform_scalar_counts_equal_tensor_counts_and_repeated_cells():
     rows = UNIQ[1:5]
     nets = [_make_net() for _ in range(3)]
-    out_scalar = nets[0](rows, 3.0)
-    out_tensor = nets[1](rows, torch.full((len(rows),), 3))
+    out_scalar = nets[0](ModelBatch(rows, 3.0))
+    out_tensor = nets[1](ModelBatch(rows, torch.full((len(rows),), 3)))
     inverse = torch.arange(len(rows)).repeat_interleave(3)
-    out_cells = nets[2](rows[inverse])
+    out_cells = nets[2](ModelBatch(rows[inverse]))
     _assert_close(out_scalar, out_tensor)
     _assert_close(out_scalar[inverse], out_cells)
     _cell_loss(out_scalar, inverse, gathered=True).backward()
@@ -500,8 +501,8 @@ def test_control_rows_take_no_part_in_fusion_statistics():
     """GEARS fuses the perturbed cells only: adding control cells to a batch leaves the fusion
     MLP's statistics (and so its running stats) as they were."""
     with_ctrl, without = _make_net(), _make_net()
-    with_ctrl(UNIQ, COUNTS)
-    without(UNIQ[1:], COUNTS[1:])
+    with_ctrl(ModelBatch(UNIQ, COUNTS))
+    without(ModelBatch(UNIQ[1:], COUNTS[1:]))
     assert bool((UNIQ[0] == -1).all()) and bool((UNIQ[1:] >= 0).any(1).all())
     for (name, a), (_, b) in zip(
         with_ctrl.pert_fuse.named_buffers(), without.pert_fuse.named_buffers()
@@ -515,20 +516,20 @@ def test_control_rows_take_no_part_in_fusion_statistics():
 def test_eval_row_output_independent_of_batch_position_and_company():
     net = _make_net().eval()
     with torch.no_grad():
-        together = net(UNIQ, COUNTS)
+        together = net(ModelBatch(UNIQ, COUNTS))
         for k in range(len(UNIQ)):
-            alone = net(UNIQ[k : k + 1])
+            alone = net(ModelBatch(UNIQ[k : k + 1]))
             torch.testing.assert_close(alone[0], together[k], rtol=1e-6, atol=1e-8)
         perm = torch.tensor([4, 2, 5, 0, 3, 1])
-        torch.testing.assert_close(net(UNIQ[perm], COUNTS[perm]), together[perm])
+        torch.testing.assert_close(net(ModelBatch(UNIQ[perm], COUNTS[perm])), together[perm])
 
 
 def test_train_output_is_permutation_equivariant():
     net_a = _make_net()
     net_b = copy.deepcopy(net_a)
     perm = torch.tensor([4, 2, 5, 0, 3, 1])
-    out_a = net_a(UNIQ, COUNTS)
-    out_b = net_b(UNIQ[perm], COUNTS[perm])
+    out_a = net_a(ModelBatch(UNIQ, COUNTS))
+    out_b = net_b(ModelBatch(UNIQ[perm], COUNTS[perm]))
     _assert_close(out_b, out_a[perm])
 
 
@@ -544,7 +545,7 @@ def test_coexpression_graph_reaches_every_row(mode):
     for net in (net_a, net_b):
         net.train(mode == "train")
     with torch.no_grad():
-        diff = (net_a(UNIQ, COUNTS) - net_b(UNIQ, COUNTS)).abs().amax(1)
+        diff = (net_a(ModelBatch(UNIQ, COUNTS)) - net_b(ModelBatch(UNIQ, COUNTS))).abs().amax(1)
     assert (diff > 1e-6).all(), diff
 
 
@@ -558,8 +559,8 @@ def test_gathered_go_rows_equal_sgconv_over_every_perturbation():
     full.go_rows_gathered = False
     index = torch.tensor([[3, 0], [9, 9], [5, 1]])
     _assert_close(net.pert_embeddings(index), full.pert_embeddings(index), tol=1e-12)
-    loss_rows = _cell_loss(net(UNIQ, COUNTS), INVERSE, gathered=True)
-    loss_full = _cell_loss(full(UNIQ, COUNTS), INVERSE, gathered=True)
+    loss_rows = _cell_loss(net(ModelBatch(UNIQ, COUNTS)), INVERSE, gathered=True)
+    loss_full = _cell_loss(full(ModelBatch(UNIQ, COUNTS)), INVERSE, gathered=True)
     _assert_close(loss_rows, loss_full, tol=1e-12)
     loss_rows.backward()
     loss_full.backward()
@@ -616,7 +617,7 @@ def test_go_graph_changes_perturbed_rows_only_in_eval():
     net_a.eval()
     net_b.eval()
     with torch.no_grad():
-        diff = (net_a(UNIQ) - net_b(UNIQ)).abs().amax(1)
+        diff = (net_a(ModelBatch(UNIQ)) - net_b(ModelBatch(UNIQ))).abs().amax(1)
     assert diff[0] == 0  # control row: no perturbation embedding involved
     assert (diff[1:] > 1e-6).all(), diff
 
@@ -624,12 +625,12 @@ def test_go_graph_changes_perturbed_rows_only_in_eval():
 # ----------------------------------------------------------------------------- shapes and grads
 def test_output_shapes():
     net = _make_net()
-    assert net(UNIQ, COUNTS).shape == (len(UNIQ), G)
+    assert net(ModelBatch(UNIQ, COUNTS)).shape == (len(UNIQ), G)
     net_unc = _make_net(uncertainty=True)
-    delta, logvar = net_unc(UNIQ, COUNTS)
+    delta, logvar = net_unc(ModelBatch(UNIQ, COUNTS))
     assert delta.shape == logvar.shape == (len(UNIQ), G)
     net_unc.eval()
-    delta, logvar = net_unc(UNIQ[:2])
+    delta, logvar = net_unc(ModelBatch(UNIQ[:2]))
     assert delta.shape == logvar.shape == (2, G)
 
 
@@ -649,7 +650,7 @@ def _biases_cancelled_by_bn(net: nn.Module) -> set[str]:
 
 def test_every_parameter_that_should_learn_gets_gradient():
     net = _make_net(uncertainty=True)
-    _cell_loss(net(UNIQ, COUNTS), INVERSE, gathered=True).backward()
+    _cell_loss(net(ModelBatch(UNIQ, COUNTS)), INVERSE, gathered=True).backward()
     expected = {
         "gene_emb.weight",
         "emb_pos.weight",
@@ -699,7 +700,7 @@ def test_go_and_coexpression_embeddings_keep_learning_after_first_step():
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     for step in range(2):
         opt.zero_grad()
-        _cell_loss(net(UNIQ, COUNTS), INVERSE, gathered=True).backward()
+        _cell_loss(net(ModelBatch(UNIQ, COUNTS)), INVERSE, gathered=True).backward()
         for name in ("pert_emb.weight", "emb_pos.weight"):
             grad = dict(net.named_parameters())[name].grad
             assert grad is not None and grad.abs().max() > 1e-8, f"step {step}: {name}"
@@ -712,20 +713,20 @@ def test_prediction_follows_loaded_weights():
     net_a.eval()
     net_b.eval()
     with torch.no_grad():
-        net_a(UNIQ)  # any earlier forward (e.g. an epoch of training)
+        net_a(ModelBatch(UNIQ))  # any earlier forward (e.g. an epoch of training)
         net_a.load_state_dict(net_b.state_dict())
-        torch.testing.assert_close(net_a(UNIQ), net_b(UNIQ))
+        torch.testing.assert_close(net_a(ModelBatch(UNIQ)), net_b(ModelBatch(UNIQ)))
 
 
 def test_double_is_order_free_and_not_a_single_or_a_sum():
     net = _make_net()
     a, b = 1, 3
     rows = torch.tensor([[a, b], [b, a], [a, -1], [b, -1], [-1, -1]])
-    train_out = net(rows, torch.tensor([2, 1, 3, 2, 2]))
+    train_out = net(ModelBatch(rows, torch.tensor([2, 1, 3, 2, 2])))
     assert torch.equal(train_out[0], train_out[1])
     net.eval()
     with torch.no_grad():
-        out = net(rows)
+        out = net(ModelBatch(rows))
     assert torch.equal(out[0], out[1])
     double, single_a, single_b, ctrl = out[0], out[2], out[3], out[4]
     for other in (single_a, single_b, single_a + single_b - ctrl):
@@ -737,7 +738,7 @@ def test_all_control_batch_trains_without_nan(n_rows, counts):
     """A batch of control cells only (one distinct row, or per-cell rows): GEARS skips the
     fusion MLP, so the output is finite and the fusion MLP's running stats stay finite."""
     net = _make_net()
-    out = net(torch.full((n_rows, 2), -1), counts)
+    out = net(ModelBatch(torch.full((n_rows, 2), -1), counts))
     assert torch.isfinite(out).all()
     for name, buf in net.named_buffers():
         assert torch.isfinite(buf).all(), name
@@ -748,8 +749,8 @@ def test_single_distinct_perturbation_with_scalar_count_trains():
     passes a scalar count when all counts are equal) must match the tensor-count path."""
     row = torch.tensor([[2, -1]])
     net_s, net_t = _make_net(), _make_net()
-    out_t = net_t(row, torch.tensor([8]))
-    out_s = net_s(row, 8.0)
+    out_t = net_t(ModelBatch(row, torch.tensor([8])))
+    out_s = net_s(ModelBatch(row, 8.0))
     _assert_close(out_s, out_t)
 
 
@@ -759,9 +760,9 @@ def _bf16_vs_fp32(train: bool) -> tuple[torch.Tensor, torch.Tensor, GEARSNet]:
     net16 = copy.deepcopy(net32)
     counts = COUNTS.float()
     with torch.set_grad_enabled(train):
-        ref = net32(UNIQ, counts)
+        ref = net32(ModelBatch(UNIQ, counts))
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = net16(UNIQ, counts)
+            out = net16(ModelBatch(UNIQ, counts))
     assert out.shape == ref.shape and torch.isfinite(out).all()
     return out.float(), ref, net16
 
@@ -849,7 +850,7 @@ def test_training_step_makes_no_host_sync(monkeypatch):
                 m.setattr(torch, name, refuse)
             for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
                 m.setattr(torch.Tensor, name, refuse)
-            out = net(UNIQ, counts)
+            out = net(ModelBatch(UNIQ, counts))
             out.square().mean().backward()
         assert int(net.bn_pert_base.num_batches_tracked) == 1
 
@@ -917,7 +918,7 @@ def test_running_statistics_carry_no_autograd_history(counts, precision):
     net = _make_net().float()
     arg = {"per_row": COUNTS.float(), "equal": 3.0, "none": None}[counts]
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-        out = net(UNIQ, arg)
+        out = net(ModelBatch(UNIQ, arg))
     out.float().square().sum().backward()
     norms = [m for m in net.modules() if isinstance(m, WeightedBatchNorm1d)]
     assert norms and all(int(m.num_batches_tracked) == 1 for m in norms)

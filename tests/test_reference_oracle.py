@@ -24,6 +24,7 @@ import torch.distributed as dist
 from gears.config import ModelConfig
 from gears.errors import GearsInputError
 from gears.model import kernels
+from gears.model.batch import ModelBatch
 from gears.model.network import GEARSNet
 from gears.model.reference import GEARSReference
 
@@ -156,7 +157,7 @@ def _compare(fast, ref, batch, train: bool, tol: float = TOL64, grad_tol: float 
     for net in (fast, ref):
         net.train(train)
         net.zero_grad(set_to_none=True)
-    out_fast, out_ref = fast(rows, counts), ref(rows, counts)
+    out_fast, out_ref = fast(ModelBatch(rows, counts)), ref(ModelBatch(rows, counts))
     pairs = zip(out_fast, out_ref) if isinstance(out_fast, tuple) else [(out_fast, out_ref)]
     for name, (a, b) in zip(("delta", "logvar"), pairs):
         _assert_close(a, b, tol, f"{name} ({'train' if train else 'eval'})")
@@ -315,7 +316,7 @@ DEAD = re.compile(r"(linears\.\d+|layers_emb_pos\.0\.lin|emb_trans_v2\.norms\.1)
 def test_dead_parameters_have_zero_gradient():
     _, ref = _pair(uncertainty=True)
     rows, counts, inverse = _batch("random")
-    _loss(ref(rows, counts), inverse).backward()
+    _loss(ref(ModelBatch(rows, counts)), inverse).backward()
     largest = max(p.grad.abs().max().item() for p in ref.parameters())
     dead = [(n, p.grad.abs().max().item()) for n, p in ref.named_parameters() if DEAD.search(n)]
     assert len(dead) == 13 and all(g <= 1e-12 * largest for _, g in dead), dead
@@ -334,7 +335,7 @@ def test_training_reaches_the_same_weights():
         for net, opt in zip((fast, ref), opts):
             net.train()
             net.zero_grad()
-            _loss(net(rows, counts), inverse, seed=step).backward()
+            _loss(net(ModelBatch(rows, counts)), inverse, seed=step).backward()
             opt.step()
     ref_params = dict(ref.named_parameters())
     for name, p in fast.named_parameters():
@@ -343,7 +344,7 @@ def test_training_reaches_the_same_weights():
     rows = _batch("random", seed=9)[0]
     with torch.no_grad():
         fast.eval(), ref.eval()
-        for a, b in zip(fast(rows), ref(rows)):
+        for a, b in zip(fast(ModelBatch(rows)), ref(ModelBatch(rows))):
             _assert_close(a, b, TOL64, "prediction after training")
 
 
@@ -353,12 +354,12 @@ def test_training_batch_of_one_cell_is_a_clear_error():
     one = torch.tensor([[3, -1]])
     for net in (fast, ref):
         with pytest.raises(GearsInputError, match="one cell"):
-            net(one, 1.0)
+            net(ModelBatch(one, 1.0))
         net.eval()
-        assert net(one).shape == (1, G)  # evaluation needs no batch statistics
+        assert net(ModelBatch(one)).shape == (1, G)  # evaluation needs no batch statistics
 
 
 def test_reference_needs_whole_counts():
     _, ref = _pair()
     with pytest.raises(GearsInputError, match="whole number"):
-        ref(torch.tensor([[1, -1], [2, -1]]), torch.tensor([1.5, 2.0]))
+        ref(ModelBatch(torch.tensor([[1, -1], [2, -1]]), torch.tensor([1.5, 2.0])))

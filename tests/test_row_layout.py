@@ -15,6 +15,7 @@ from gears.config import TrainConfig
 from gears.data.pertdata import PertData
 from gears.distributed import DistEnv
 from gears.engine import CELL_ROWS, RepeatRows, Trainer, seed_everything
+from gears.model.batch import ModelBatch
 from gears.model.rows import pad_rows, row_bucket, use_cell_rows
 from tests.test_network import _biases_cancelled_by_bn
 
@@ -141,10 +142,11 @@ def test_padded_rows_equal_unpadded_in_the_network(tiny):
     batch = _batch(tiny, 11, [3, 1, 2])
     net_a = copy.deepcopy(_trainer(tiny).net).train()
     net_b = copy.deepcopy(net_a)
-    rows, counts = pad_rows(batch.uniq_pert_index, batch.counts)
+    padded = pad_rows(ModelBatch(batch.uniq_pert_index, batch.counts))
+    rows, counts = padded.pert_index, padded.counts
     assert rows.shape[0] == 16 and (rows[11:] == -1).all() and (counts[11:] == 0).all()
-    out_a = net_a(batch.uniq_pert_index, batch.counts)
-    out_b = net_b(rows, counts)[:11]
+    out_a = net_a(ModelBatch(batch.uniq_pert_index, batch.counts))
+    out_b = net_b(padded)[:11]
     torch.testing.assert_close(out_b, out_a, rtol=1e-5, atol=1e-6)
     target = torch.randn_like(out_a)
     ((out_a - target) ** 2).sum().backward()

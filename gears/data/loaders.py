@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import NamedTuple
 
 import numpy as np
@@ -103,29 +103,37 @@ def pairing_hash(seed: int, epoch: int, example: np.ndarray) -> np.ndarray:
 
 @dataclass
 class Batch:
-    """One batch. Shapes: B examples, G genes, P = 2 perturbation slots, U unique conditions."""
+    """One batch. Shapes: B examples, G genes, P = 2 perturbation slots, U distinct groups: the
+    distinct conditions, or with covariates the distinct (condition, covariate codes)."""
 
     x: torch.Tensor  # [B, G] paired control cell (the residual input)
     y: torch.Tensor  # [B, G] observed perturbed cell
     pert_index: torch.Tensor  # [B, P] long, indices into the perturbation vocabulary, -1 padded
     cond: torch.Tensor  # [B] long, condition ids
     de_idx: torch.Tensor  # [B, 20] long, top-20 DE gene indices of the condition, -1 padded
-    uniq_cond: torch.Tensor  # [U] long, the distinct conditions of the batch
+    uniq_cond: torch.Tensor  # [U] long, each distinct group's condition
     uniq_pert_index: torch.Tensor  # [U, P] long
-    inverse: torch.Tensor  # [B] long, position of each example's condition in uniq_cond
-    counts: torch.Tensor  # [U] float, examples per distinct condition
+    inverse: torch.Tensor  # [B] long, position of each example's group in uniq_cond
+    counts: torch.Tensor  # [U] float, examples per distinct group
     example: torch.Tensor  # [B] long, example ids within the split set
+    # name -> [U] long, each distinct group's covariate codes (the loaders' covariates only)
+    uniq_covariates: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def to(self, device, non_blocking: bool = False) -> Batch:
-        return Batch(
-            **{
-                f.name: to_device(getattr(self, f.name), device, non_blocking=non_blocking)
-                for f in fields(self)
-            }
-        )
+        return self._map(lambda t: to_device(t, device, non_blocking=non_blocking))
 
     def pin_memory(self) -> Batch:
-        return Batch(**{f.name: getattr(self, f.name).pin_memory() for f in fields(self)})
+        return self._map(lambda t: t.pin_memory())
+
+    def _map(self, move) -> Batch:
+        """The batch with every tensor (covariate codes included) passed through move."""
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name, value in moved.items():
+            if isinstance(value, dict):
+                moved[name] = {k: move(v) for k, v in value.items()}
+            else:
+                moved[name] = move(value)
+        return Batch(**moved)
 
     def __len__(self) -> int:
         return self.cond.shape[0]
@@ -157,7 +165,10 @@ class ExampleSet(Dataset):
 
     rows [n] cell rows (targets y), cond [n] condition ids. Control examples (condition `ctrl`) use
     their own cell as input (x = y, as GEARS); every other example is paired with a control cell
-    drawn by `pairing_hash(seed, epoch, example id)`.
+    drawn by `pairing_hash(seed, epoch, example id)`: among all control cells, or with
+    `context` (a code per cell row of the matrix) among those of the example's own context.
+    covariates: name -> a code per cell row of the matrix; batches then group their examples
+    by (condition, codes) and carry each group's codes (Batch.uniq_covariates).
     """
 
     def __init__(
@@ -170,6 +181,8 @@ class ExampleSet(Dataset):
         cond_pert_index: np.ndarray,
         de_idx: np.ndarray,
         seed: int,
+        context: np.ndarray | None = None,
+        covariates: dict[str, np.ndarray] | None = None,
     ):
         self.expr = expr
         self.rows = np.asarray(rows, dtype=np.int64)
@@ -180,6 +193,17 @@ class ExampleSet(Dataset):
         self.de_idx = torch.as_tensor(de_idx, dtype=torch.long)
         self.seed = seed
         self.epoch = 0
+        self.covariates = {
+            k: np.asarray(v, np.int64)[self.rows] for k, v in (covariates or {}).items()
+        }
+        self.pool = None  # pairing within contexts: (example context, control pool start, size)
+        if context is not None:
+            context = np.asarray(context, dtype=np.int64)
+            ctrl_context = context[self.ctrl_rows]
+            order = np.argsort(ctrl_context, kind="stable")
+            self.ctrl_rows = self.ctrl_rows[order]  # grouped by context, in row order within
+            sizes = np.bincount(ctrl_context, minlength=int(context.max()) + 1)
+            self.pool = (context[self.rows], np.cumsum(sizes) - sizes, sizes)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -190,8 +214,15 @@ class ExampleSet(Dataset):
     def control_rows(self, example: np.ndarray, epoch: int | None = None) -> np.ndarray:
         """The control cell row paired with each example in `epoch` (default: the current one)."""
         epoch = self.epoch if epoch is None else epoch
-        draw = pairing_hash(self.seed, epoch, example) % np.uint64(len(self.ctrl_rows))
-        paired = self.ctrl_rows[draw.astype(np.int64)]
+        if self.pool is None:
+            draw = pairing_hash(self.seed, epoch, example) % np.uint64(len(self.ctrl_rows))
+            paired = self.ctrl_rows[draw.astype(np.int64)]
+        else:
+            context, start, size = self.pool
+            group = context[example]
+            pool = np.maximum(size[group], 1).astype(np.uint64)  # (PertData: none is empty)
+            draw = pairing_hash(self.seed, epoch, example) % pool
+            paired = self.ctrl_rows[start[group] + draw.astype(np.int64)]
         return np.where(self.is_ctrl[example], self.rows[example], paired)
 
     def __getitem__(self, example) -> Batch:
@@ -204,7 +235,19 @@ class ExampleSet(Dataset):
         # One gather for x and y together keeps the copy in a single pass.
         xy = self.expr.rows(np.concatenate([x_rows, y_rows]))
         cond_np = self.cond[example]
-        uniq, inverse, counts = np.unique(cond_np, return_inverse=True, return_counts=True)
+        codes = {}
+        if self.covariates:  # distinct (condition, codes) groups, sorted by condition first
+            key = np.stack([cond_np, *(c[example] for c in self.covariates.values())], axis=1)
+            uniq_key, inverse, counts = np.unique(
+                key, axis=0, return_inverse=True, return_counts=True
+            )
+            uniq = np.ascontiguousarray(uniq_key[:, 0])
+            codes = {
+                k: torch.from_numpy(np.ascontiguousarray(uniq_key[:, i + 1]))
+                for i, k in enumerate(self.covariates)
+            }
+        else:
+            uniq, inverse, counts = np.unique(cond_np, return_inverse=True, return_counts=True)
         cond = torch.from_numpy(cond_np)
         uniq_t = torch.from_numpy(uniq)
         return Batch(
@@ -218,6 +261,7 @@ class ExampleSet(Dataset):
             inverse=torch.from_numpy(inverse.reshape(-1).astype(np.int64)),
             counts=torch.from_numpy(counts.astype(np.float32)),
             example=torch.from_numpy(example),
+            uniq_covariates=codes,
         )
 
 

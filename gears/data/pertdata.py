@@ -234,6 +234,11 @@ class PertData:
         self.condition_key: str = "condition"
         self.condition_spelling: dict[str, str] = {}
         self.normalize_target_sum: float | None = None  # set by normalize='log1p'
+        # Contexts (e.g. cell lines; data.context_key): set by set_context_key after loading.
+        self.context_key: str | None = None
+        self.contexts: list[str] = []  # the context names ([] without a context key)
+        self.cell_context: np.ndarray | None = None  # [cells] code into contexts
+        self.context_ctrl_means: np.ndarray | None = None  # [contexts, genes] float64
 
     def _log(self, msg: str) -> None:
         if self.verbose:
@@ -380,8 +385,10 @@ class PertData:
         self.condition_spelling = (
             pd.Series(raw_names).groupby(obs["condition"].values, sort=False).first().to_dict()
         )
-        for extra in ("cell_type", "condition_name", "dose_val"):
-            if extra in adata.obs and extra != condition_key:
+        # Every other obs column is kept: a context (data.context_key) or a covariate a
+        # network reads may be any of them.
+        for extra in adata.obs.columns:
+            if extra not in (condition_key, "condition"):
                 values = adata.obs[extra]
                 if values.dtype == object:  # None or mixed types: h5ad cannot store them
                     values = values.astype(str).where(values.notna()).astype("category")
@@ -531,6 +538,7 @@ class PertData:
         )
         self.split = self.set2conditions = self.subgroup = self.dataloader = None
         self._graphs = {}
+        self.set_context_key(None)  # contexts belong to the cells loaded before
 
     def _resolve_perturbations(self, conditions: list[str], measured: set[str]) -> None:
         """Perturbation vocabulary = measured and perturbed genes known to the GO source."""
@@ -659,7 +667,12 @@ class PertData:
         rows = np.flatnonzero(np.isin(self.cell_condition, ids))
         return rows, self.cell_condition[rows]
 
-    def example_set(self, set_name: str, seed: int | None = None) -> ExampleSet:
+    def example_set(
+        self, set_name: str, seed: int | None = None, covariates: dict | None = None
+    ) -> ExampleSet:
+        """A split set's examples; each cell paired with a control cell of its own context
+        (set_context_key), and with covariates (name -> a code per cell row) batches grouped by
+        (condition, codes)."""
         rows, cond = self.set_rows(set_name)
         return ExampleSet(
             self.expr,
@@ -670,7 +683,43 @@ class PertData:
             self.cond_pert_index,
             self.de_idx,
             seed=self.seed if seed is None else seed,
+            context=self.cell_context,
+            covariates=covariates,
         )
+
+    # ------------------------------------------------------------------------------- contexts
+    def set_context_key(self, context_key: str | None) -> PertData:
+        """Name the obs column holding each cell's context (data.context_key, e.g. the cell
+        line): `contexts` lists its values, `cell_context` codes each cell, every context's
+        control mean is kept (`context_ctrl_means`), and every cell is paired with a control
+        cell of its own context. None: one context (all control cells). Call after loading."""
+        from gears.data.covariates import categories_of, encode, obs_values
+
+        self.context_key, self.contexts = context_key, []
+        self.cell_context = self.context_ctrl_means = None
+        self.dataloader = None  # loaders built before pair across contexts
+        if context_key is None:
+            return self
+        values = obs_values(self.adata.obs, context_key)
+        self.contexts = categories_of(values)
+        self.cell_context = encode(values, self.contexts, "context")
+        ctrl_context = self.cell_context[self.ctrl_rows]
+        without = [c for i, c in enumerate(self.contexts) if not (ctrl_context == i).any()]
+        if without:
+            raise GearsInputError(
+                f"data.context_key={context_key!r}: context(s) {without} have no control cells; "
+                "each context's cells are paired with its own controls: drop those contexts "
+                "(data.subset) or choose another column"
+            )
+        X = self.expr.numpy()
+        indicator = sp.csr_matrix(
+            (np.ones(len(ctrl_context)), (ctrl_context, self.ctrl_rows)),
+            shape=(len(self.contexts), X.shape[0]),
+        )
+        sums = indicator @ X
+        sums = sums.toarray() if sp.issparse(sums) else np.asarray(sums)
+        self.context_ctrl_means = sums / np.bincount(ctrl_context)[:, None]
+        return self
 
     # --------------------------------------------------------------------------------- loaders
     def get_dataloader(
@@ -691,11 +740,13 @@ class PertData:
         pin_memory: bool = False,
         block_size: int = 1024,
         device=None,
+        covariates: dict[str, np.ndarray] | None = None,
     ) -> dict[str, EpochLoader]:
         """Training shards via a seeded DistributedSampler; evaluation sharded without padding.
 
         device: a CUDA device keeps a dense matrix that fits (ExpressionMatrix.place) on the
         GPU and gathers batches there; with num_workers > 0 batches are gathered on the host.
+        covariates: name -> a code per cell row, carried by the batches (example_set).
         """
         if self.set2conditions is None:
             raise GearsInputError("call prepare_split before get_dataloader")
@@ -706,7 +757,7 @@ class PertData:
         for name in ("train", "val", "test"):
             if not self.set2conditions.get(name):
                 continue
-            ds = self.example_set(name)
+            ds = self.example_set(name, covariates=covariates)
             if name == "train":
                 loaders["train_loader"] = train_loader(
                     ds,
@@ -739,6 +790,7 @@ class PertData:
             "batching": batching,
             "cells_per_group": cells_per_group,
             "block_size": block_size,
+            "covariates": tuple(covariates or ()),
         }
         return loaders
 
@@ -1155,6 +1207,7 @@ class PertData:
         )
         self.split = self.set2conditions = self.subgroup = self.dataloader = None
         self._graphs = {}
+        self.set_context_key(None)  # contexts belong to the cells loaded before
 
     def __repr__(self) -> str:
         if self.adata is None:

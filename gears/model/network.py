@@ -13,6 +13,8 @@ from torch import nn
 
 from gears.config import ModelConfig
 from gears.errors import GearsInputError
+from gears.model import reference
+from gears.model.batch import ModelBatch
 from gears.model.kernels import (
     WeightedBatchNorm1d,
     csr_to_padded_rows,
@@ -23,6 +25,7 @@ from gears.model.kernels import (
     propagate,
     statistics_dtype,
 )
+from gears.model.reference import gears_layers
 
 
 class FixedGraphConv(nn.Module):
@@ -49,32 +52,26 @@ def all_rows_max_norm(emb: nn.Embedding) -> torch.Tensor:
     return emb.weight
 
 
-class MLP(nn.Module):
-    """GEARS's MLP: Linear -> BatchNorm -> ReLU per layer, the final ReLU dropped."""
+class MLP(reference.MLP):
+    """GEARS's MLP (gears/model/reference.py) with count-weighted batch-norms:
+    mlp(x, weight, blocks) normalises rows weighted by the cells they stand for."""
 
-    def __init__(self, sizes: list[int]):
-        super().__init__()
-        self.linears = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
-        self.norms = nn.ModuleList(WeightedBatchNorm1d(b) for b in sizes[1:])
-
-    def forward(self, x: torch.Tensor, weight=None, blocks: int | None = None) -> torch.Tensor:
-        last = len(self.linears) - 1
-        for i, (linear, norm) in enumerate(zip(self.linears, self.norms)):
-            x = norm(linear(x), weight, blocks)
-            if i < last:
-                x = torch.relu(x)
-        return x
+    norm_class = WeightedBatchNorm1d
 
 
 class GEARSNet(nn.Module):
     """The GEARS network, computing the response to each distinct perturbation once.
 
-    forward(pert_index [U, P], counts [U]) -> delta [U, G] (and logvar [U, G] with uncertainty);
-    a cell's prediction is delta[its perturbation] + its control expression x. Gene-level work
+    forward(ModelBatch(pert_index [U, P], counts [U])) -> change [U, G] (and logvar [U, G] with
+    uncertainty); a cell's prediction is its control expression x + change[its perturbation]
+    (gears.model.batch.predicted_expression). It reads neither x nor covariates. Gene-level work
     (embeddings, co-expression SGConv, GO SGConv over all perturbation embeddings) runs once per
     forward. `counts` are the cells each row stands for; batch-norm weights rows by them, so the
     result equals running every cell separately (GEARS's per-cell batch).
     """
+
+    reads_x = False  # x enters only as a residual, added outside (predicted_expression)
+    covariates = ()
 
     def __init__(
         self,
@@ -87,9 +84,8 @@ class GEARSNet(nn.Module):
         coexpress_edge_weight: torch.Tensor,
     ):
         super().__init__()
-        G, H, uncertainty = num_genes, cfg.hidden_size, cfg.uncertainty
-        num_go_gnn_layers, num_gene_gnn_layers = cfg.num_go_gnn_layers, cfg.num_gene_gnn_layers
-        self.num_genes, self.num_perts, self.uncertainty = G, num_perts, uncertainty
+        G, num_go_gnn_layers = num_genes, cfg.num_go_gnn_layers
+        self.num_genes, self.num_perts, self.uncertainty = G, num_perts, cfg.uncertainty
         # Graphs are non-persistent buffers: they move with .to(device), are rebuilt from the
         # data (not saved), and are listed by graph_buffer_names() so that DDP never broadcasts
         # them. The normalised propagation matrices (and their transposes, for the gradient)
@@ -121,28 +117,9 @@ class GEARSNet(nn.Module):
             self._register_graph("go_nbr_index", padded[0])
             self._register_graph("go_nbr_weight", padded[1])
 
-        # Looked up whole with rows renormalised to norm <= 1 (GEARS: max_norm=True).
-        self.gene_emb = nn.Embedding(G, H)
-        self.emb_pos = nn.Embedding(G, H)
-        self.pert_emb = nn.Embedding(num_perts, H)
-        self.bn_emb = WeightedBatchNorm1d(H)
-        self.layers_emb_pos = nn.ModuleList(
-            FixedGraphConv(H, H) for _ in range(num_gene_gnn_layers)
-        )
-        self.sim_layers = nn.ModuleList(FixedGraphConv(H, H) for _ in range(num_go_gnn_layers))
-        self.emb_trans_v2 = MLP([H, H, H])
-        self.pert_fuse = MLP([H, H, H])
-        self.bn_pert_base = WeightedBatchNorm1d(H)
-        self.recovery_w = MLP([H, 2 * H, H])
-        self.indv_w1 = nn.Parameter(torch.empty(G, H))
-        self.indv_b1 = nn.Parameter(torch.empty(G, 1))
-        self.cross_gene_state = MLP([G, H, H])
-        self.indv_w2 = nn.Parameter(torch.empty(1, G, H + 1))
-        self.indv_b2 = nn.Parameter(torch.empty(1, G))
-        for p in (self.indv_w1, self.indv_b1, self.indv_w2, self.indv_b2):
-            nn.init.xavier_normal_(p)
-        if uncertainty:
-            self.uncertainty_w = MLP([H, 2 * H, H, 1])
+        # GEARS's layers, declared once (reference.gears_layers). The embeddings are read
+        # whole, rows renormalised to norm <= 1 (all_rows_max_norm), not looked up.
+        gears_layers(self, cfg, G, num_perts, FixedGraphConv, MLP, WeightedBatchNorm1d)
 
     def _register_graph(self, name: str, tensor: torch.Tensor) -> None:
         self.register_buffer(name, tensor, persistent=False)
@@ -207,9 +184,10 @@ class GEARSNet(nn.Module):
                 pert = torch.relu(pert)
         return gather_rows(pert, index)
 
-    def forward(self, pert_index: torch.Tensor, counts: torch.Tensor | float | None = None):
-        """pert_index [U, P] (-1 padded); counts [U] cells per row, or one number for every row
-        (None = 1). -> delta [U, G] (, logvar [U, G])."""
+    def forward(self, batch: ModelBatch):
+        """batch.pert_index [U, P] (-1 padded); batch.counts [U] cells per row, or one number
+        for every row. -> change [U, G] (, logvar [U, G])."""
+        pert_index, counts = batch.pert_index, batch.counts
         U, G = pert_index.shape[0], self.num_genes
         per_row = counts if torch.is_tensor(counts) and counts.dim() == 1 else None
         m = 1.0 if counts is None or per_row is not None else counts

@@ -3,7 +3,8 @@ autograd only. The place to change the model first; gears/model/network.py is th
 computed fast, and tests/test_reference_oracle.py holds it to this one.
 
 Differences from cell-gears 0.1.2's GEARS_Model.forward, all of them deliberate:
-- it returns the predicted change (the caller adds the control cell x: pred = delta + x);
+- it takes a ModelBatch (gears/model/batch.py) and returns the predicted change (the control
+  cell x is added outside, by gears.model.batch.predicted_expression);
 - the co-expression SGConv runs on each cell's genes (GEARS ran it on the B*G stacked rows with
   the edges of the first G, so only the first cell of a batch saw the graph);
 - a graph's normalised adjacency (PyG's gcn_norm, as SGConv computes it every call) is computed
@@ -21,6 +22,7 @@ from torch_geometric.utils import coalesce
 
 from gears.config import ModelConfig
 from gears.errors import GearsInputError
+from gears.model.batch import ModelBatch
 
 
 class SGConv(nn.Module):
@@ -38,28 +40,71 @@ class SGConv(nn.Module):
 
 
 class MLP(nn.Module):
-    """GEARS's MLP: Linear -> BatchNorm1d -> ReLU per layer, the final ReLU dropped."""
+    """GEARS's MLP: Linear -> BatchNorm1d -> ReLU per layer, the final ReLU dropped. The fast
+    network's MLP is this one with count-weighted batch-norms (norm_class), given the row
+    weights as extra arguments: mlp(x, weight, blocks)."""
+
+    norm_class = nn.BatchNorm1d
 
     def __init__(self, sizes: list[int]):
         super().__init__()
         self.linears = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
-        self.norms = nn.ModuleList(nn.BatchNorm1d(b) for b in sizes[1:])
+        self.norms = nn.ModuleList(self.norm_class(b) for b in sizes[1:])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *norm_args) -> torch.Tensor:
         last = len(self.linears) - 1
         for i, (linear, norm) in enumerate(zip(self.linears, self.norms)):
-            x = norm(linear(x))
+            x = norm(linear(x), *norm_args)
             if i < last:
                 x = torch.relu(x)
         return x
 
 
+def gears_layers(
+    net: nn.Module,
+    cfg: ModelConfig,
+    num_genes: int,
+    num_perts: int,
+    conv: type[nn.Module] = SGConv,
+    mlp: type[nn.Module] = MLP,
+    norm: type[nn.Module] = nn.BatchNorm1d,
+) -> None:
+    """Declare GEARS's layers on `net`: the one layer list of both networks (the fast one
+    passes its graph convolution, MLP and batch-norm classes). Created in this order, so one
+    seed gives both the same initial weights; their forwards, which the oracle compares, stay
+    apart."""
+    G, H = num_genes, cfg.hidden_size
+    # GEARS's embeddings: rows renormalised to norm <= 1 when looked up (max_norm=True).
+    net.gene_emb = nn.Embedding(G, H, max_norm=1.0)
+    net.emb_pos = nn.Embedding(G, H, max_norm=1.0)
+    net.pert_emb = nn.Embedding(num_perts, H, max_norm=1.0)
+    net.bn_emb = norm(H)
+    net.layers_emb_pos = nn.ModuleList(conv(H, H) for _ in range(cfg.num_gene_gnn_layers))
+    net.sim_layers = nn.ModuleList(conv(H, H) for _ in range(cfg.num_go_gnn_layers))
+    net.emb_trans_v2 = mlp([H, H, H])
+    net.pert_fuse = mlp([H, H, H])
+    net.bn_pert_base = norm(H)
+    net.recovery_w = mlp([H, 2 * H, H])
+    net.indv_w1 = nn.Parameter(torch.empty(G, H))
+    net.indv_b1 = nn.Parameter(torch.empty(G, 1))
+    net.cross_gene_state = mlp([G, H, H])
+    net.indv_w2 = nn.Parameter(torch.empty(1, G, H + 1))
+    net.indv_b2 = nn.Parameter(torch.empty(1, G))
+    for p in (net.indv_w1, net.indv_b1, net.indv_w2, net.indv_b2):
+        nn.init.xavier_normal_(p)
+    if cfg.uncertainty:
+        net.uncertainty_w = mlp([H, 2 * H, H, 1])
+
+
 class GEARSReference(nn.Module):
-    """The GEARS network, one row per cell. forward(pert_index [U, P], counts) -> delta [U, G]
-    (and logvar [U, G] with uncertainty), GEARSNet's contract: row u stands for counts[u] cells,
-    so it is repeated that many times, the per-cell batch runs, and each row's first cell is
+    """The GEARS network, one row per cell. forward(ModelBatch(pert_index [U, P], counts)) ->
+    change [U, G] (and logvar [U, G] with uncertainty), GEARSNet's contract: row u stands for
+    counts[u] cells, so it is repeated that many times, the per-cell batch runs
+    (forward_cells: gene_embeddings, cell_embedding, decode), and each row's first cell is
     returned (its copies are equal). The training engine gives it one row per cell (counts 1)."""
 
+    reads_x = False  # GEARS: x enters only as a residual, added outside (predicted_expression)
+    covariates = ()  # a fork declares the per-cell codes it reads, e.g. ("context",)
     per_cell_rows = True  # the engine lays training batches out one row per cell
 
     def __init__(
@@ -73,8 +118,7 @@ class GEARSReference(nn.Module):
         coexpress_edge_weight: torch.Tensor,
     ):
         super().__init__()
-        G, H = num_genes, cfg.hidden_size
-        self.num_genes, self.num_perts, self.uncertainty = G, num_perts, cfg.uncertainty
+        self.num_genes, self.num_perts, self.uncertainty = num_genes, num_perts, cfg.uncertainty
         # Normalised graphs: fixed, rebuilt from the data (non-persistent buffers, not saved).
         self._graph_buffers: list[str] = []
         for name, (ei, ew, n) in {
@@ -87,67 +131,59 @@ class GEARSReference(nn.Module):
                 self.register_buffer(f"{name}_{suffix}", tensor, persistent=False)
                 self._graph_buffers.append(f"{name}_{suffix}")
 
-        # GEARS's embeddings: rows renormalised to norm <= 1 when looked up (max_norm=True).
-        self.gene_emb = nn.Embedding(G, H, max_norm=1.0)
-        self.emb_pos = nn.Embedding(G, H, max_norm=1.0)
-        self.pert_emb = nn.Embedding(num_perts, H, max_norm=1.0)
-        self.bn_emb = nn.BatchNorm1d(H)
-        self.layers_emb_pos = nn.ModuleList(SGConv(H, H) for _ in range(cfg.num_gene_gnn_layers))
-        self.sim_layers = nn.ModuleList(SGConv(H, H) for _ in range(cfg.num_go_gnn_layers))
-        self.emb_trans_v2 = MLP([H, H, H])
-        self.pert_fuse = MLP([H, H, H])
-        self.bn_pert_base = nn.BatchNorm1d(H)
-        self.recovery_w = MLP([H, 2 * H, H])
-        self.indv_w1 = nn.Parameter(torch.empty(G, H))
-        self.indv_b1 = nn.Parameter(torch.empty(G, 1))
-        self.cross_gene_state = MLP([G, H, H])
-        self.indv_w2 = nn.Parameter(torch.empty(1, G, H + 1))
-        self.indv_b2 = nn.Parameter(torch.empty(1, G))
-        for p in (self.indv_w1, self.indv_b1, self.indv_w2, self.indv_b2):
-            nn.init.xavier_normal_(p)
-        if cfg.uncertainty:
-            self.uncertainty_w = MLP([H, 2 * H, H, 1])
+        gears_layers(self, cfg, num_genes, num_perts)
 
     def graph_buffer_names(self) -> list[str]:
         """The fixed-graph buffers (identical on every rank: DDP must not broadcast them)."""
         return list(self._graph_buffers)
 
-    def forward(self, pert_index: torch.Tensor, counts: torch.Tensor | float | None = None):
-        """pert_index [U, P] (-1 padded); counts [U] whole numbers >= 1, one number for every
-        row, or None (= 1). -> delta [U, G] (, logvar [U, G])."""
-        cells, first = cell_rows(pert_index, counts)
+    def forward(self, batch: ModelBatch):
+        """batch.pert_index [U, P] (-1 padded); batch.counts [U] whole numbers >= 1 or one
+        number for every row. -> change [U, G] (, logvar [U, G])."""
+        cells, first = cell_rows(batch)
         out = self.forward_cells(cells)
         if first is None:
             return out
         return tuple(o[first] for o in out) if isinstance(out, tuple) else out[first]
 
-    def forward_cells(self, pert_index: torch.Tensor):
-        """pert_index [B, P], one row per cell -> delta [B, G] (, logvar [B, G])."""
-        B, G = pert_index.shape[0], self.num_genes
+    def forward_cells(self, cells: ModelBatch):
+        """cells: one row per cell (pert_index [B, P]) -> change [B, G] (, logvar [B, G])."""
+        B, G = len(cells), self.num_genes
         if B < 2 and any(m.training for m in self.modules() if isinstance(m, nn.BatchNorm1d)):
             raise GearsInputError(
                 "a training batch of one cell: batch-norm needs two or more cells to normalise; "
                 "use train.batch_size >= 2 (or train.freeze_batchnorm=true)"
             )
-        genes = torch.arange(G, device=pert_index.device)
+        base = self.gene_embeddings(B)  # [B, G, H]
+        # Cell x gene rows: each gene's embedding plus what the cell adds, [B * G, H].
+        added = self.cell_embedding(cells)  # [B, H]
+        h = torch.relu(self.bn_pert_base((base + added.unsqueeze(1)).reshape(B * G, -1)))
+        return self.decode(h, B)
 
-        # Gene side: each cell's copy of the gene embeddings, [B * G, H] rows.
-        emb = torch.relu(self.bn_emb(self.gene_emb(genes).repeat(B, 1)))
+    def gene_embeddings(self, B: int) -> torch.Tensor:
+        """Each cell's copy of the gene embeddings, smoothed over the co-expression graph ->
+        [B, G, H]."""
+        G = self.num_genes
+        genes = torch.arange(G, device=self.indv_w1.device)
+        emb = torch.relu(self.bn_emb(self.gene_emb(genes).repeat(B, 1)))  # [B * G, H] rows
         pos = self.emb_pos(genes)
         for i, layer in enumerate(self.layers_emb_pos):
             pos = layer(pos, self.co_edge_index, self.co_edge_norm)
             if i < len(self.layers_emb_pos) - 1:
                 pos = torch.relu(pos)
-        base = self.emb_trans_v2(emb + 0.2 * pos.repeat(B, 1)).reshape(B, G, -1)
+        return self.emb_trans_v2(emb + 0.2 * pos.repeat(B, 1)).reshape(B, G, -1)
 
-        # Perturbation side: every perturbation's embedding smoothed over the GO graph.
+    def cell_embedding(self, cells: ModelBatch) -> torch.Tensor:
+        """What each cell adds to every gene's embedding -> [B, H]: its perturbations'
+        embeddings, smoothed over the GO graph, summed and fused (the perturbed cells alone
+        make the fusion MLP's batch); zero for a control cell. A fork conditioning on the cell
+        (a context, a dose) adds its term here."""
+        pert_index = cells.pert_index
         pert = self.pert_emb(torch.arange(self.num_perts, device=pert_index.device))
         for i, layer in enumerate(self.sim_layers):
             pert = layer(pert, self.go_edge_index, self.go_edge_norm)
             if i < len(self.sim_layers) - 1:
                 pert = torch.relu(pert)
-        # Each perturbed cell's perturbation embeddings summed and fused (the perturbed cells
-        # alone make the fusion MLP's batch); control cells add nothing.
         valid = pert_index >= 0
         summed = (F.embedding(pert_index.clamp(min=0), pert) * valid.unsqueeze(-1)).sum(1)
         perturbed = valid.any(1)
@@ -157,27 +193,30 @@ class GEARSReference(nn.Module):
             fused[perturbed] = self.pert_fuse(summed[perturbed].repeat(2, 1))[:1]
         elif n_perturbed > 1:
             fused[perturbed] = self.pert_fuse(summed[perturbed])
+        return fused
 
-        # Cell x gene rows: gene embedding plus the cell's perturbation, [B * G, H].
-        h = torch.relu(self.bn_pert_base((base + fused.unsqueeze(1)).reshape(B * G, -1)))
+    def decode(self, h: torch.Tensor, B: int):
+        """Cell x gene rows h [B * G, H] -> change [B, G] (, logvar [B, G]): the per-gene
+        decoder, the cross-gene MLP over the whole predicted vector, the second per-gene
+        layer."""
+        G = self.num_genes
         out = self.recovery_w(h).reshape(B, G, -1)
         w = (out * self.indv_w1).sum(-1) + self.indv_b1[:, 0]  # per-gene decoder, [B, G]
         cross = self.cross_gene_state(w)  # the whole predicted vector, [B, H]
         both = torch.cat([w.unsqueeze(-1), cross.unsqueeze(1).expand(B, G, -1)], -1)
-        delta = (both * self.indv_w2).sum(-1) + self.indv_b2  # second per-gene layer, [B, G]
+        change = (both * self.indv_w2).sum(-1) + self.indv_b2  # second per-gene layer, [B, G]
         if self.uncertainty:
-            return delta, self.uncertainty_w(h).reshape(B, G)
-        return delta
+            return change, self.uncertainty_w(h).reshape(B, G)
+        return change
 
 
-def cell_rows(
-    pert_index: torch.Tensor, counts: torch.Tensor | float | None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The per-cell batch that rows with these counts stand for: (pert_index [U, P] with row u
-    repeated counts[u] times [B, P], the position of each row's first cell [U] or None when
-    every row is one cell)."""
-    if counts is None:
-        return pert_index, None
+def cell_rows(batch: ModelBatch) -> tuple[ModelBatch, torch.Tensor | None]:
+    """The per-cell batch that rows with these counts stand for: (batch with row u repeated
+    counts[u] times, [B] rows, counts 1; the position of each row's first cell [U], or None
+    when every row is one cell)."""
+    counts, pert_index = batch.counts, batch.pert_index
+    if counts is None or (not torch.is_tensor(counts) and counts == 1):
+        return batch, None
     n = torch.as_tensor(counts, dtype=torch.float64, device=pert_index.device)
     n = n.expand(pert_index.shape[0])
     if not bool(((n >= 1) & (n == n.round())).all()):
@@ -186,6 +225,16 @@ def cell_rows(
             f"whole number >= 1, got {n.tolist()}; give per-cell rows or whole counts"
         )
     if bool((n == 1).all()):
-        return pert_index, None
+        return batch, None
     n = n.long()
-    return pert_index.repeat_interleave(n, 0), n.cumsum(0) - n
+
+    def repeat(t: torch.Tensor) -> torch.Tensor:
+        return t.repeat_interleave(n, 0)
+
+    cells = ModelBatch(
+        repeat(pert_index),
+        1.0,
+        None if batch.x is None else repeat(batch.x),
+        {name: repeat(codes) for name, codes in batch.covariates.items()},
+    )
+    return cells, n.cumsum(0) - n
