@@ -822,6 +822,38 @@ def test_fixed_graph_conv_equals_pyg_sgconv():
     torch.testing.assert_close(graph_propagate(*graph, x)[n - 1], x[n - 1])
 
 
+def test_gcn_norm_is_pygs_bit_for_bit():
+    """kernels.gcn_norm (written out so that the fast model never imports PyG) returns PyG's
+    gcn_norm's edges and weights exactly: existing self-loops keep their weight, duplicates stay
+    separate, an isolated node gets weight 1."""
+    from torch_geometric.nn.conv.gcn_conv import gcn_norm as pyg_gcn_norm
+
+    from gears.model.kernels import gcn_norm
+
+    n = 40
+    gen = torch.Generator().manual_seed(11)
+    ei, ew = _graph(n - 1, 200, gen)  # node n - 1 has no edge
+    ei = torch.cat([ei, ei[:, :15], torch.tensor([[3, 7, 9], [3, 7, 9]])], 1)
+    ew = torch.cat([ew, ew[:15] * 0.25, torch.tensor([2.0, 0.3, 0.0])])
+    ours, theirs = gcn_norm(ei, ew, n), pyg_gcn_norm(ei, ew, n, add_self_loops=True)
+    assert torch.equal(ours[0], theirs[0])
+    assert torch.equal(ours[1], theirs[1])
+
+
+def test_the_fast_model_and_predict_start_without_pyg():
+    """PyG's import pulls in torch._dynamo (~1.5 s of every command's start): only the reference
+    model imports it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, gears.api, gears.engine, gears.predict\n"
+        "print(sorted(m for m in ('torch_geometric', 'torch._dynamo') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
 def test_graph_buffers_are_listed_and_not_saved():
     net = _make_net()
     names = net.graph_buffer_names()

@@ -16,7 +16,6 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch_geometric.nn.conv.gcn_conv import gcn_norm
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -678,13 +677,36 @@ def gene_decode(out: torch.Tensor, w1: torch.Tensor) -> torch.Tensor:
         return _GeneDecodeFn.apply(out, w1)
 
 
+def gcn_norm(
+    edge_index: torch.Tensor, edge_weight: torch.Tensor, num_nodes: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyG's gcn_norm(add_self_loops=True), the same ops in the same order (tests/test_network.py
+    compares the two bit for bit), without importing PyG, whose import pulls in torch._dynamo and
+    adds ~1.5 s to every command's start. Existing self-loops keep their weight (the last one
+    for a node with several), the other nodes get weight 1; then w_ij = d_i^-1/2 w_ij d_j^-1/2
+    with d the weighted in-degree. edge_index [2, E] (source, target), edge_weight [E]
+    -> (edge_index [2, E'], weight [E'])"""
+    source, target = edge_index[0], edge_index[1]
+    not_loop = source != target
+    loop_weight = edge_weight.new_ones(num_nodes)
+    loop_weight[source[~not_loop]] = edge_weight[~not_loop]
+    nodes = torch.arange(num_nodes, device=edge_index.device)
+    edge_index = torch.cat([edge_index[:, not_loop], torch.stack([nodes, nodes])], dim=1)
+    edge_weight = torch.cat([edge_weight[not_loop], loop_weight])
+    source, target = edge_index[0], edge_index[1]
+    degree = edge_weight.new_zeros(num_nodes).scatter_add_(0, target, edge_weight)
+    inv_sqrt = degree.pow_(-0.5)
+    inv_sqrt.masked_fill_(inv_sqrt == float("inf"), 0)
+    return edge_index, inv_sqrt[source] * edge_weight * inv_sqrt[target]
+
+
 def gcn_normalised_csr(
     edge_index: torch.Tensor, edge_weight: torch.Tensor, num_nodes: int, transpose: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """PyG SGConv(K=1)'s propagation matrix as CSR: gcn_norm with self-loops (existing ones
     kept), A[target, source] = D^-1/2 (A + I) D^-1/2; duplicate edges summed as message passing
     sums them. transpose=True gives A^T. -> (crow [N+1], col [E'], values [E'] float32)"""
-    ei, w = gcn_norm(edge_index.long(), edge_weight.float(), num_nodes, add_self_loops=True)
+    ei, w = gcn_norm(edge_index.long(), edge_weight.float(), num_nodes)
     rows, cols = (ei[0], ei[1]) if transpose else (ei[1], ei[0])
     adj = torch.sparse_coo_tensor(
         torch.stack([rows, cols]), w, (num_nodes, num_nodes), check_invariants=True

@@ -20,8 +20,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch_geometric.nn.conv.gcn_conv import gcn_norm
-from torch_geometric.utils import coalesce
 
 from gears.config import ModelConfig
 from gears.errors import GearsInputError
@@ -158,6 +156,12 @@ class GEARSReference(nn.Module):
         coexpress_edge_index: torch.Tensor,
         coexpress_edge_weight: torch.Tensor,
     ):
+        # PyG's own normalisation, so the oracle shares no code with the fast model's
+        # (kernels.gcn_normalised_csr). Imported here: PyG's import pulls in torch._dynamo (~1.5 s
+        # of every command's start) and only this class needs it.
+        from torch_geometric.nn.conv.gcn_conv import gcn_norm
+        from torch_geometric.utils import coalesce
+
         super().__init__()
         self.num_genes, self.num_perts, self.uncertainty = num_genes, num_perts, cfg.uncertainty
         # Normalised graphs: fixed, rebuilt from the data (non-persistent buffers, not saved).
