@@ -6,7 +6,6 @@ import contextlib
 import copy
 import os
 import random
-import signal
 import sys
 import time
 
@@ -28,7 +27,7 @@ from gears.distributed import (
     broadcast_object,
     set_tf32,
 )
-from gears.errors import GearsInputError, NonFiniteLossError, TrainingStopped
+from gears.errors import GearsInputError, NonFiniteLossError
 from gears.evaluate import Evaluator
 from gears.faults import FaultPlan
 from gears.model import graph_buffer_names
@@ -50,6 +49,8 @@ from gears.training_state import (  # noqa: F401 (rng_state, set_rng_state: re-e
     rng_state,
     set_rng_state,
     stop_mid_epoch,
+    stop_on_signal,
+    stop_requests,
     write_checkpoint,
 )
 
@@ -548,19 +549,7 @@ class Trainer:
         SIGINT)."""
         train = loaders["train_loader"]
         check_trainable(train, self.cfg.batch_size, self.env.world_size)
-
-        def on_signal(signum, frame):
-            if signum == signal.SIGINT and self.stop_requested == signal.SIGINT:
-                raise KeyboardInterrupt  # a second Ctrl-C: stop now (e.g. a hung collective)
-            self.stop_requested = int(signum)
-
-        previous = {}
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            try:
-                previous[signum] = signal.signal(signum, on_signal)
-            except ValueError:  # not the main thread (e.g. a notebook worker): no handler
-                pass
-        try:
+        with stop_requests(self):
             announce(self.env, self.cfg, len(train))
             for epoch in range(self.epoch, self.cfg.epochs):
                 if self.run_epoch(train, epoch, "val_loader" in loaders, progress):
@@ -568,16 +557,13 @@ class Trainer:
             if self.best_state is not None:
                 self.net.load_state_dict(self.best_state)
             return self.history
-        finally:
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
 
     def run_epoch(self, train, epoch: int, has_val: bool, progress: bool) -> bool:
         """One epoch and what follows it; True when training stops early."""
         t0 = time.perf_counter()
         loss, cells = self.train_epoch(train, epoch, progress)
         if self.partial is not None:  # stopped by SIGTERM within the epoch
-            self.stop_on_signal()
+            stop_on_signal(self)
         train_s = time.perf_counter() - t0
         sync_buffers(self.env, self.net)
         self.sched.step()
@@ -591,7 +577,7 @@ class Trainer:
             self.save_checkpoint()
         self.faults.after_epoch(epoch + 1, self.step)
         if self.stop_agreed and self.epoch < self.cfg.epochs:
-            self.stop_on_signal()
+            stop_on_signal(self)
         if stop and self.env.is_main:
             print(
                 f"early stopping after epoch {epoch + 1}: no val improvement for "
@@ -621,30 +607,6 @@ class Trainer:
         one, and whenever training stops (early stopping, a SIGTERM or SIGINT)."""
         every = self.epoch % self.cfg.checkpoint_every == 0
         return every or self.epoch == self.cfg.epochs or stopping or bool(self.stop_agreed)
-
-    def stop_on_signal(self) -> None:
-        """Every rank: rank 0 writes the checkpoint (mid-epoch position included), then all
-        leave through TrainingStopped."""
-        signum = signal.SIGINT if self.stop_agreed == signal.SIGINT else signal.SIGTERM
-        name = signal.Signals(signum).name
-        where = None
-        if self.out_dir is not None:
-            if self.partial is not None:
-                self.save_checkpoint()
-            where = ckpt.list_checkpoints(os.path.join(self.out_dir, "checkpoints"))[-1:]
-        if self.env.is_main:
-            into = self.partial["batch"] // self.cfg.grad_accum_steps if self.partial else 0
-            saved = (
-                f"wrote {where[0]}; run the same command with train.resume=true to continue"
-                if where
-                else "no out_dir, nothing saved"
-            )
-            print(
-                f"{name} received: stopped after {ckpt.position(self.epoch, into, self.step)}; "
-                f"{saved}",
-                flush=True,
-            )
-        raise TrainingStopped(f"stopped by {name} at step {self.step}", signum)
 
     def unwrap(self) -> None:
         """Drop the DDP wrapper (after training), so that it is freed while the process group

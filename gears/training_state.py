@@ -1,13 +1,15 @@
 """A Trainer's state as a checkpoint and back: what a checkpoint holds, what a resuming run
 must share with it (`checkpoint_meta`, and the run's `fingerprint`), rank 0's write, and the
-read that every rank resumes from (rank 0 reads, then broadcasts). Files are written by
-gears/checkpoint.py."""
+read that every rank resumes from (rank 0 reads, then broadcasts); and a stop on SIGTERM or
+SIGINT, which ends in a checkpoint. Files are written by gears/checkpoint.py."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import random
+import signal
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -16,7 +18,7 @@ import torch
 from gears import checkpoint as ckpt
 from gears.device import to_device, to_host
 from gears.distributed import all_gather_objects, all_reduce_max, barrier, broadcast_object
-from gears.errors import GearsInputError
+from gears.errors import GearsInputError, TrainingStopped
 from gears.model import graph_buffer_names
 
 
@@ -71,6 +73,55 @@ def stop_mid_epoch(trainer, epoch: int, batches_done: int, totals: EpochTotals):
         "loss_sum": torch.stack(sums),  # [world_size]
     }
     return float("nan"), totals.cells * trainer.env.world_size
+
+
+@contextlib.contextmanager
+def stop_requests(trainer):
+    """While training: SIGTERM (Slurm's preemption / time-limit signal) and SIGINT (Ctrl-C) set
+    trainer.stop_requested, which the ranks agree on at the next step boundary; a second SIGINT
+    stops at once (e.g. a hung collective). The previous handlers come back after."""
+
+    def on_signal(signum, frame):
+        if signum == signal.SIGINT and trainer.stop_requested == signal.SIGINT:
+            raise KeyboardInterrupt
+        trainer.stop_requested = int(signum)
+
+    previous = {}
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        try:
+            previous[signum] = signal.signal(signum, on_signal)
+        except ValueError:  # not the main thread (e.g. a notebook worker): no handler
+            pass
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def stop_on_signal(trainer) -> None:
+    """Every rank, after an agreed stop: rank 0 writes the checkpoint (mid-epoch position
+    included), then all leave through TrainingStopped."""
+    signum = signal.SIGINT if trainer.stop_agreed == signal.SIGINT else signal.SIGTERM
+    name = signal.Signals(signum).name
+    where = None
+    if trainer.out_dir is not None:
+        if trainer.partial is not None:
+            write_checkpoint(trainer)
+        where = ckpt.list_checkpoints(os.path.join(trainer.out_dir, "checkpoints"))[-1:]
+    if trainer.env.is_main:
+        into = trainer.partial["batch"] // trainer.cfg.grad_accum_steps if trainer.partial else 0
+        saved = (
+            f"wrote {where[0]}; run the same command with train.resume=true to continue"
+            if where
+            else "no out_dir, nothing saved"
+        )
+        print(
+            f"{name} received: stopped after {ckpt.position(trainer.epoch, into, trainer.step)}; "
+            f"{saved}",
+            flush=True,
+        )
+    raise TrainingStopped(f"stopped by {name} at step {trainer.step}", signum)
 
 
 def rng_state(device: torch.device | None = None) -> dict:
