@@ -221,12 +221,12 @@ def check_before_the_run(cfg: Config) -> None:
         from gears.predict import require_cell_eval
 
         require_cell_eval()
-    network_class(cfg.model.impl)
+    network = network_class(cfg.model.impl)
     if cfg.eval.cell_eval2:
         from gears.vcc2026 import require_cell_eval2, require_scorable
 
         require_cell_eval2()
-        require_scorable(cfg, network_class(cfg.model.impl), one_model_per_context(cfg))
+        require_scorable(cfg, network, one_model_per_context(cfg))
 
 
 def _run(cfg: Config, env: DistEnv, pert_data=None) -> dict | None:
