@@ -32,7 +32,7 @@ from pathlib import Path
 
 from gears.counts import DEFAULT_SAMPLER, SAMPLERS
 from gears.errors import GearsInputError
-from gears.run import guarded
+from gears.run import command
 
 
 def parse_args(argv=None):
@@ -232,4 +232,4 @@ def predict_one(args, folder: Path, out: Path):
 
 
 if __name__ == "__main__":
-    guarded(main)
+    command(main)

@@ -16,7 +16,7 @@ import sys
 if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
-from gears.run import config_from_args, guarded, parse_args  # noqa: E402
+from gears.run import command, config_from_args, parse_args  # noqa: E402
 from gears.train_distributed import (  # noqa: E402
     batch_script_note,
     launched_externally,
@@ -46,4 +46,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    guarded(main)
+    command(main)

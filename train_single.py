@@ -8,7 +8,7 @@ if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 from gears.distributed import DistEnv, choose_device  # noqa: E402
-from gears.run import config_from_args, guarded, parse_args, run  # noqa: E402
+from gears.run import command, config_from_args, parse_args, run  # noqa: E402
 
 
 def main(argv=None):
@@ -25,4 +25,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    guarded(main)
+    command(main)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import math
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -430,3 +432,36 @@ def guarded(main):
             flush=True,
         )
         sys.exit(130)
+
+
+def command(main) -> None:
+    """A script's entry point (`if __name__ == "__main__"`, and each spawned rank): guarded(main),
+    then exit_quickly with its status. Never call it in a process that should go on (a notebook,
+    pytest): it ends the process."""
+    try:
+        guarded(main)
+        status = 0
+    except SystemExit as e:
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr, flush=True)
+        status = e.code if isinstance(e.code, int) else int(e.code is not None)
+    exit_quickly(status)
+
+
+def exit_quickly(status: int) -> None:
+    """End the process without the interpreter's teardown, which frees the modules (torch,
+    scanpy, numba, ...) object by object: about 1.5 s at the end of every command and of every
+    rank, measured on a 2-core x86 machine. What a normal exit does first still happens, in the
+    same order: other non-daemon threads are joined, atexit handlers run (multiprocessing's,
+    wandb's, logging's), stdout and stderr are flushed. Outputs are closed before this point
+    (files are written whole and renamed, gears.io)."""
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe or stream: nothing more can be said
+            pass
+    os._exit(status)

@@ -247,6 +247,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    from gears.run import guarded
+    from gears.run import command
 
-    guarded(lambda: main(sys.argv[1:]))
+    command(lambda: main(sys.argv[1:]))

@@ -91,9 +91,9 @@ def use_threads(n: int) -> None:
 
 def _spawned(local_rank: int, nproc: int, cfg: Config, addr: str, port: int) -> None:
     set_local_rank_env(local_rank, nproc, port, addr)
-    from gears.run import guarded
+    from gears.run import command
 
-    guarded(lambda: worker_main(cfg))
+    command(lambda: worker_main(cfg))
 
 
 def default_nproc(cfg: Config) -> int:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import signal
+from pathlib import Path
 
 import pytest
 
@@ -64,3 +66,59 @@ def test_exit_statuses(capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("interrupted (SIGINT)")
     assert "train.resume=true" in err
+
+
+EXIT_SCRIPT = """
+import atexit, sys, threading, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[3])
+from gears.errors import GearsInputError
+from gears.run import command
+
+out = Path(sys.argv[1])
+atexit.register(lambda: (out / "atexit").write_text("ran"))
+
+def late_writer():
+    time.sleep(0.3)
+    (out / "thread").write_text("joined")
+
+def main():
+    threading.Thread(target=late_writer).start()
+    print("unflushed", end="")
+    sys.stderr.write("err unflushed")
+    if sys.argv[2] == "bad":
+        raise GearsInputError("the problem and the fix")
+    if sys.argv[2] == "exit":
+        sys.exit("a message")
+
+command(main)
+print("not reached")
+"""
+
+
+@pytest.mark.parametrize(("how", "status"), [("ok", 0), ("bad", 2), ("exit", 1)])
+def test_a_command_ends_as_a_normal_exit_would_without_the_teardown(tmp_path, how, status):
+    """command() skips the interpreter's teardown (os._exit) but first does what a normal exit
+    does: joins non-daemon threads, runs atexit handlers, flushes stdout and stderr, and exits
+    with guarded()'s status (sys.exit's message printed as Python prints it)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "cmd.py"
+    script.write_text(EXIT_SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), how, str(Path(__file__).resolve().parents[1])],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"},  # buffered output
+    )
+    assert done.returncode == status, done.stderr
+    assert done.stdout == "unflushed"
+    assert done.stderr.startswith("err unflushed")
+    if how == "bad":
+        assert done.stderr.endswith("error: the problem and the fix\n")
+    if how == "exit":
+        assert done.stderr.endswith("a message\n")
+    assert (tmp_path / "atexit").read_text() == "ran"
+    assert (tmp_path / "thread").read_text() == "joined"
