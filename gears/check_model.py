@@ -479,4 +479,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from gears.run import command
+
+    command(lambda: sys.exit(main()))

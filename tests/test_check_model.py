@@ -139,3 +139,21 @@ def test_the_context_fork_passes_the_contract(tmp_path):
     cfg = load_config(None, [*overrides, "data.context_key=cell_type"], base=DEFAULT_CONFIG)
     report = cm.check_model(cfg, load_pert_data(cfg, DistEnv()))
     assert report.ok and "context_emb.weight" in report.skipped, report.table()
+
+
+def test_bad_input_on_the_command_line_is_one_line_and_status_2():
+    """`python -m gears.check_model` with an unknown key printed GearsInputError's traceback."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    done = subprocess.run(
+        [sys.executable, "-m", "gears.check_model", "train.nope=1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("error: unknown config key 'train.nope'")
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
