@@ -143,8 +143,10 @@ def test_torchruns_own_omp_num_threads_is_not_the_users(tmp_path):
     users = _user_env(OMP_NUM_THREADS="1")
     worker = {"OMP_NUM_THREADS": "1", "TORCHELASTIC_RUN_ID": "x"}
     for launcher_env, want in ((plain, None), (users, 1)):
-        # A launcher that has printed has finished exec'ing: its environment is in place.
-        cmd = ["sh", "-c", "echo up; exec sleep 60"]
+        # A launcher that prints as its last step before waiting has finished exec'ing: its
+        # environment is in place. (`sh -c "echo up; exec sleep 60"` printed before its exec,
+        # and a read during the exec found no environment, which counts as "set".)
+        cmd = [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"]
         launcher = subprocess.Popen(cmd, env=launcher_env, stdout=subprocess.PIPE, text=True)
         try:
             assert launcher.stdout.readline() == "up\n"
