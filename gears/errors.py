@@ -5,6 +5,9 @@ class GearsInputError(ValueError):
     """Raised for bad data, bad config or bad arguments. Entry points print it without a trace."""
 
     reported = False  # already printed (by rank 0, for an error that every rank raises)
+    # Raised by every rank at once (they agreed on it): rank 0 prints it and the others wait
+    # for that before they exit (gears.train_distributed.worker_main).
+    every_rank = False
 
 
 class DownloadError(GearsInputError):

@@ -46,7 +46,9 @@ def config_from_args(args) -> Config:
 
 def injected_delay(stage: str, rank: int) -> None:
     """Test hook: GEARS_TEST_SLOW_RANK0=data:10,scoring:10 makes rank 0's data step or scoring
-    that many seconds slower (tests that no other rank waits for them in a collective)."""
+    that many seconds slower (tests that no other rank waits for them in a collective);
+    refusal:3 delays rank 0's raising of a refusal every rank raises (tests that rank 0's line
+    is printed before the other ranks exit)."""
     spec = os.environ.get("GEARS_TEST_SLOW_RANK0")
     if rank != 0 or not spec:
         return
@@ -206,7 +208,7 @@ def run(cfg: Config, env: DistEnv, pert_data=None) -> dict | None:
         error = ckpt.CheckpointWriteError(
             f"{e} with train.resume=true (this run's checkpoints are kept)"
         )
-        error.reported = e.reported
+        error.reported, error.every_rank = e.reported, e.every_rank
         raise error from None
     finally:
         folder.release()

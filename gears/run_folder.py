@@ -210,7 +210,11 @@ def claim_run_folder(cfg, env) -> RunFolder:
 
         refusal = broadcast_object(env, refusal)
     if refusal is not None:
+        from gears.run import injected_delay
+
+        injected_delay("refusal", env.rank)  # (a test hook: rank 0 last to raise)
         error = GearsInputError(refusal)
         error.reported = not env.is_main  # one line, from rank 0
+        error.every_rank = True
         raise error
     return held

@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 from gears.config import Config, load_config
 from gears.distributed import (
     DistEnv,
+    barrier,
     check_port_free,
     choose_device,
     cleanup,
@@ -76,6 +77,15 @@ def worker_main(cfg: Config) -> dict | None:
     env = init_distributed(cfg.device, d.backend, d.timeout_s, d.gpu_ids, store=store)
     try:
         return run(cfg, env, pert_data)
+    except GearsInputError as e:
+        if env.distributed and e.every_rank and not e.reported:
+            # Rank 0 says it before any rank leaves: a launcher ends the other workers as soon
+            # as the first one exits, which could cut rank 0 off before its line.
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            e.reported = True
+        if env.distributed and e.every_rank:
+            barrier(env)
+        raise
     finally:
         cleanup(env)
 

@@ -252,6 +252,7 @@ def write_checkpoint(trainer) -> None:
     if failed is not None:
         error = ckpt.CheckpointWriteError(failed)
         error.reported = not trainer.env.is_main  # one line, from rank 0
+        error.every_rank = True
         raise error
 
 

@@ -144,7 +144,9 @@ def test_every_rank_stops_cleanly_when_rank_0_refuses_the_folder(tmp_path):
         "model.hidden_size=16",
         "distributed.timeout_s=60",
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # Rank 0 raises last, as under load: its line must still come before the ranks exit
+    # (rank 1 left at once and the launcher killed rank 0 before it printed).
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GEARS_TEST_SLOW_RANK0": "refusal:3"}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert done.returncode == 2, done.stderr[-3000:]
     assert "Traceback" not in done.stderr
