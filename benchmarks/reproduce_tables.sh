@@ -183,9 +183,8 @@ PY
         bench_distributed)
             python benchmarks/bench_distributed.py --json "$RESULTS/bench_distributed.json" ;;
         bench_load)  # the thread defaults themselves: no OMP_NUM_THREADS (the script clears it)
-            # docs/performance.md's table: one short run per arm (--epochs 3 --repeats 3 and
-            # no --limit-batches for the fuller measurement, about 40 minutes)
-            python benchmarks/bench_load.py --spinning --epochs 1 --limit-batches 40 --repeats 1 \
+            # docs/performance.md's table: 2 runs per arm, about 11 minutes on 2 cores
+            python benchmarks/bench_load.py --spinning --epochs 3 --repeats 2 \
                 --work "$WORK/bench_load" --json "$RESULTS/bench_load.json" ;;
         bench_scale)
             python benchmarks/bench_scale.py --cells 90000 --genes 5000 --perts 230 --nproc 2 \
