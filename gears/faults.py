@@ -1,10 +1,12 @@
 """Injected faults for the kill, preemption and NaN tests (GEARS_FAULT_KILL), kept out of the
-training step: the engine calls two hooks, and a NaN loss comes from a forward hook."""
+training step: the engine calls two hooks, and a NaN loss comes from a forward hook; and rank 0's
+injected delays (GEARS_TEST_SLOW_RANK0)."""
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 
 import torch
 
@@ -68,3 +70,16 @@ class FaultPlan:
         if isinstance(output, tuple):
             return tuple(o * float("nan") for o in output)
         return output * float("nan")
+
+
+def injected_delay(stage: str, rank: int) -> None:
+    """Test hook: GEARS_TEST_SLOW_RANK0=data:10,scoring:10 makes rank 0's data step or scoring
+    that many seconds slower (tests that no other rank waits for them in a collective);
+    refusal:3 delays rank 0's raising of a refusal every rank raises (tests that rank 0's line
+    is printed before the other ranks exit)."""
+    spec = os.environ.get("GEARS_TEST_SLOW_RANK0")
+    if rank != 0 or not spec:
+        return
+    delays = dict(item.split(":") for item in spec.split(","))
+    if stage in delays:
+        time.sleep(float(delays[stage]))

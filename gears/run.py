@@ -18,6 +18,7 @@ from gears import checkpoint as ckpt
 from gears.config import Config, load_config
 from gears.distributed import DistEnv, build_in_stages
 from gears.errors import GearsInputError, TrainingStopped
+from gears.faults import injected_delay
 from gears.run_folder import claim_run_folder, prior_outputs
 from gears.runtime import auto_threads, set_threads, tune_allocator
 
@@ -42,19 +43,6 @@ def parse_args(argv: list[str] | None, description: str, extra=None):
 def config_from_args(args) -> Config:
     base = DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None
     return load_config(args.config, args.overrides, base=base)
-
-
-def injected_delay(stage: str, rank: int) -> None:
-    """Test hook: GEARS_TEST_SLOW_RANK0=data:10,scoring:10 makes rank 0's data step or scoring
-    that many seconds slower (tests that no other rank waits for them in a collective);
-    refusal:3 delays rank 0's raising of a refusal every rank raises (tests that rank 0's line
-    is printed before the other ranks exit)."""
-    spec = os.environ.get("GEARS_TEST_SLOW_RANK0")
-    if rank != 0 or not spec:
-        return
-    delays = dict(item.split(":") for item in spec.split(","))
-    if stage in delays:
-        time.sleep(float(delays[stage]))
 
 
 def split_and_graphs(pert_data, cfg: Config):

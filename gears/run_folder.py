@@ -12,6 +12,7 @@ import torch
 
 from gears import checkpoint as ckpt
 from gears.errors import GearsInputError
+from gears.faults import injected_delay
 
 LOCK_NAME = ".gears.lock"
 # How long a resuming rank 0 waits for the lock: under torchrun a restarted worker may start
@@ -210,8 +211,6 @@ def claim_run_folder(cfg, env) -> RunFolder:
 
         refusal = broadcast_object(env, refusal)
     if refusal is not None:
-        from gears.run import injected_delay
-
         injected_delay("refusal", env.rank)  # (a test hook: rank 0 last to raise)
         error = GearsInputError(refusal)
         error.reported = not env.is_main  # one line, from rank 0
