@@ -196,6 +196,17 @@ def gene_names_of(adata: ad.AnnData) -> pd.Index:
     return pd.Index(adata.var_names.astype(str))
 
 
+def source_record(path: Path, subset, condition_key, control_names, normalize: str) -> dict:
+    """How a file was read (PertData._source), so that a context view reads it again alike."""
+    return dict(
+        path=path,
+        subset=dict(subset or {}),
+        condition_key=condition_key,
+        control_names=tuple(control_names),
+        normalize=normalize,
+    )
+
+
 class PertData:
     """A Perturb-seq screen ready for GEARS: conditions, DE genes, splits, gene graphs, tensors.
 
@@ -357,13 +368,6 @@ class PertData:
         if not path.exists():
             raise GearsInputError(f"no .h5ad file at {path}")
         name = data_name or (path.parent.name if path.name == PROCESSED_NAME else path.stem)
-        self._source = dict(
-            path=path,
-            subset=dict(subset or {}),
-            condition_key=condition_key,
-            control_names=tuple(control_names),
-            normalize=normalize,
-        )
         if self._wants_store(path):
             return self.process_backed(
                 name,
@@ -375,6 +379,7 @@ class PertData:
                 context_key=context_key,
                 target_sum=target_sum,
             )
+        self._source = source_record(path, subset, condition_key, control_names, normalize)
         adata = read_h5ad(path)
         for column, wanted in (subset or {}).items():
             if column not in adata.obs:
@@ -1189,13 +1194,7 @@ class PertData:
         check_normalize(normalize)
         path = Path(path)
         t0 = time.perf_counter()
-        self._source = dict(
-            path=path,
-            subset=dict(subset or {}),
-            condition_key=condition_key,
-            control_names=tuple(control_names),
-            normalize=normalize,
-        )
+        self._source = source_record(path, subset, condition_key, control_names, normalize)
         backed = read_h5ad(path, backed="r")  # obs and var only; X stays on disk
         try:
             chosen = detect_condition_key(backed.obs.columns, condition_key)
