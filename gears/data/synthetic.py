@@ -606,6 +606,14 @@ def write_gene2go_tsv(
 VCC_CONTROL = "non-targeting"
 
 
+def vcc_targets(condition: pd.Series) -> np.ndarray:
+    """GEARS conditions ('G+ctrl', 'ctrl') as the challenge's target_gene ('G', VCC_CONTROL)."""
+    condition = condition.astype(str).values
+    return np.where(
+        condition == CTRL, VCC_CONTROL, np.char.replace(condition.astype(str), f"+{CTRL}", "")
+    )
+
+
 def make_vcc_layout(
     n_genes: int = 200,
     n_perturbations: int = 30,
@@ -634,10 +642,7 @@ def make_vcc_layout(
         keep_counts=True,
     )
     src = screen.adata
-    condition = src.obs["condition"].astype(str).values
-    target = np.where(
-        condition == CTRL, VCC_CONTROL, np.char.replace(condition.astype(str), f"+{CTRL}", "")
-    )
+    target = vcc_targets(src.obs["condition"])
     rng = np.random.default_rng(seed + 1)
     guide = np.char.add(
         np.char.add(target.astype(str), "_guide"), (1 + rng.integers(0, 2, len(target))).astype(str)
@@ -753,10 +758,7 @@ def make_vcc2026_layout(
         counts_per_gene=counts_per_gene,
     )
     src = screen.adata
-    condition = src.obs["condition"].astype(str).values
-    target = np.where(
-        condition == CTRL, VCC_CONTROL, np.char.replace(condition.astype(str), f"+{CTRL}", "")
-    )
+    target = vcc_targets(src.obs["condition"])
     rng = np.random.default_rng(seed + 7)
     context = np.empty(len(target), dtype=object)
     for label in np.unique(target):  # each context gets an equal share of every perturbation
