@@ -78,12 +78,12 @@ def worker_main(cfg: Config) -> dict | None:
     try:
         return run(cfg, env, pert_data)
     except GearsInputError as e:
-        if env.distributed and e.every_rank and not e.reported:
+        if env.distributed and e.every_rank:
             # Rank 0 says it before any rank leaves: a launcher ends the other workers as soon
             # as the first one exits, which could cut rank 0 off before its line.
-            print(f"error: {e}", file=sys.stderr, flush=True)
-            e.reported = True
-        if env.distributed and e.every_rank:
+            if not e.reported:
+                print(f"error: {e}", file=sys.stderr, flush=True)
+                e.reported = True
             barrier(env)
         raise
     finally:
