@@ -6,6 +6,7 @@ command and a commit. The rules are in docs/testing.md, "Docs that execute"."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 import shlex
@@ -679,6 +680,17 @@ def _has_command(text: str) -> bool:
     return any(COMMAND.match(s.strip()) for s in [*spans, *text.splitlines()])
 
 
+@functools.cache
+def _full_history() -> bool:
+    """Whether git holds this clone's whole history (not a shallow clone, not without git)."""
+    shallow = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--is-shallow-repository"],
+        capture_output=True,
+        text=True,
+    )
+    return shallow.stdout.strip() == "false"
+
+
 def _known_commit(name: str, cache: dict = {}) -> bool:  # noqa: B006 - a per-process cache
     if name not in cache:
         # An ancestor of HEAD, not merely an object in this clone: a clone of main holds only
@@ -687,13 +699,8 @@ def _known_commit(name: str, cache: dict = {}) -> bool:  # noqa: B006 - a per-pr
             ["git", "-C", str(ROOT), "merge-base", "--is-ancestor", name, "HEAD"],
             capture_output=True,
         )
-        shallow = subprocess.run(
-            ["git", "-C", str(ROOT), "rev-parse", "--is-shallow-repository"],
-            capture_output=True,
-            text=True,
-        )
         # Without git, or in a shallow clone, the history cannot say: any hash passes.
-        cache[name] = git.returncode == 0 or shallow.stdout.strip() != "false"
+        cache[name] = git.returncode == 0 or not _full_history()
     return cache[name]
 
 
