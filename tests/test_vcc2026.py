@@ -138,6 +138,29 @@ def test_in_memory_and_out_of_core_views_agree(files, tmp_path):
     np.testing.assert_array_equal(a.de_idx, b.de_idx)
 
 
+def test_a_context_view_keeps_the_data_subset_in_memory_and_out_of_core(files, tmp_path):
+    """data.subset holds in a context's view: the store-backed view (processed again from the
+    file) equals the in-memory one (rows of the subset's processed matrix), and the excluded
+    perturbations stay out of both."""
+    raw = ad.read_h5ad(files["training"])
+    targets = sorted(set(raw.obs["target"].astype(str)) - {CONTROL})
+    kept, dropped = targets[:6], targets[6:]
+    subset = {"target": [CONTROL, *kept]}
+    views = {
+        store: _load(files, tmp_path / store, store, subset=subset).context_view("lineB")
+        for store in ("memory", "mmap")
+    }
+    a, b = views["memory"], views["mmap"]
+    assert a.conditions == b.conditions
+    assert {c.split("+")[0] for c in b.conditions} - {"ctrl"} <= set(kept)
+    assert not {f"{t}+ctrl" for t in dropped} & set(b.conditions)
+    assert len(b.cell_condition) == len(a.cell_condition)
+    np.testing.assert_array_equal(a.library_size, b.library_size)
+    np.testing.assert_allclose(_dense(a.expr.numpy()), _dense(b.expr.numpy()), rtol=1e-6)
+    np.testing.assert_allclose(a.ctrl_mean, b.ctrl_mean, rtol=1e-6)
+    np.testing.assert_array_equal(a.de_idx, b.de_idx)
+
+
 @pytest.mark.parametrize("store", ["memory", "mmap"])
 def test_bad_counts_and_context_inputs_are_named(files, tmp_path, store):
     with pytest.raises(GearsInputError, match="'tissue'.*no such column.*cell_line"):
