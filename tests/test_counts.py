@@ -162,3 +162,17 @@ def test_bad_sampler_and_bad_rates_are_named():
         counts.draw_counts(np.array([[np.nan, 1.0]]), np.random.default_rng(0), "poisson")
     with pytest.raises(GearsInputError, match="dispersions"):
         counts.draw_counts(np.ones((1, 2)), np.random.default_rng(0), "nb")
+
+
+@pytest.mark.parametrize("sampler", counts.SAMPLERS)
+def test_the_seed_changes_the_draws(sampler):
+    """The same rates drawn with seeds 0 and 1 give other counts (every sampler draws at random:
+    rates of 0.5 leave even rounding a coin toss per gene); the same seed gives them again."""
+    rate = np.full((300, 40), 0.5)  # 300 rows: two random streams (ROWS_PER_DRAW 256)
+    theta = np.full(40, 2.0)
+    first = counts.sample_rows(rate, 0, seed=0, sampler=sampler, theta=theta)
+    np.testing.assert_array_equal(first, counts.sample_rows(rate, 0, 0, sampler, theta))
+    other = counts.sample_rows(rate, 0, seed=1, sampler=sampler, theta=theta)
+    step = counts.ROWS_PER_DRAW
+    for block in (slice(0, step), slice(step, None)):
+        assert not np.array_equal(first[block], other[block]), (sampler, block)

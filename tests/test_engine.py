@@ -114,6 +114,50 @@ def test_accumulation_differs_without_accumulation(tiny):
     assert max(diffs) > 1e-3
 
 
+def test_the_built_fingerprint_holds_every_data_part(tiny):
+    """The fingerprint a Trainer records in its checkpoints (training_state.fingerprint) holds
+    every part checkpoint.DATA_PARTS names, each read from this run: another split or another
+    world size changes exactly those parts."""
+    from gears.model import graph_buffer_names
+    from gears.training_state import fingerprint
+
+    model = build(tiny, hidden=8)
+    trainer = Trainer(model.model, tiny, TrainConfig(), model.model_config(), DistEnv())
+    built = fingerprint(trainer)
+    assert set(ckpt.DATA_PARTS) <= set(built), set(ckpt.DATA_PARTS) - set(built)
+    buffers = dict(trainer.net.named_buffers())
+    graphs = {name: buffers[name] for name in graph_buffer_names(trainer.net)}
+    now = ckpt.run_fingerprint({}, tiny, graphs, world_size=1)
+    assert {k: built[k] for k in ckpt.DATA_PARTS} == {k: now[k] for k in ckpt.DATA_PARTS}
+    moved = copy.copy(tiny)  # one test condition moved to train
+    sets = {k: list(v) for k, v in tiny.set2conditions.items()}
+    sets["train"].append(sets["test"].pop())
+    moved.set2conditions = sets
+    other = ckpt.run_fingerprint({}, moved, graphs, world_size=2)
+    assert {k for k in ckpt.DATA_PARTS if other[k] != now[k]} == {"split:sets", "world_size"}
+
+
+def test_a_last_partial_accumulation_is_stepped_and_leaves_no_gradient(tiny):
+    """3 micro-batches with accumulation 2: ceil(3/2) = 2 optimizer steps, the second on the
+    epoch's last micro-batch alone, and no gradient left for the next epoch. Independent
+    computation, plain steps without accumulation: one on the first two micro-batches as one
+    batch, then one on the third; each micro-batch's loss is divided by grad_accum_steps, so
+    with SGD the third's step is one at half the learning rate."""
+    micro = group_batches(tiny, 6, 4, 2)
+    first_two = group_batches(tiny, 4, 4, 4)
+    assert len(micro) == 3 and len(first_two) == 1
+    a, b = build(tiny), build(tiny)
+    ta = fit_on(tiny, a, micro, grad_accum_steps=2, **SGD)
+    assert ta.step == 2
+    assert all(p.grad is None for p in a.model.parameters()), "a gradient was left over"
+    fit_on(tiny, b, first_two, grad_accum_steps=1, **SGD)
+    fit_on(tiny, b, micro[2:], grad_accum_steps=1, **{**SGD, "lr": SGD["lr"] / 2})
+    pa, pb, p0 = params(a), params(b), params(build(tiny))
+    assert len([k for k in pa if not torch.equal(pa[k], p0[k])]) > 20
+    for k in pa:
+        torch.testing.assert_close(pa[k], pb[k], atol=1e-5, rtol=1e-4, msg=k)
+
+
 def _bf16_and_fp32_trainers(pd_: PertData, model: GEARS, epochs: int = 1):
     """An fp32 Trainer on model's network and a bf16 Trainer on a copy of it."""
     trainers = []

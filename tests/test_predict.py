@@ -18,9 +18,11 @@ from vcc_helpers import HAS_CELL_EVAL, NO_CELL_EVAL, ROOT
 
 from gears import checkpoint as ckpt
 from gears.api import GEARS
+from gears.counts import MAX_COUNTS_PER_CELL, SAMPLERS
 from gears.data.pertdata import PertData
 from gears.data.synthetic import write_pert_counts
-from gears.predict import MEAN_KEY, UNCERTAINTY_LAYER, load_model, predict_cells
+from gears.errors import GearsInputError
+from gears.predict import MEAN_KEY, UNCERTAINTY_LAYER, load_model, predict_cells, read_counts
 from gears.run import guarded
 from predict import main as predict_main
 
@@ -474,3 +476,71 @@ def test_a_killed_writers_temporary_file_is_removed_by_the_next_run(vcc_run, tmp
         ["--model", str(vcc_run["model"]), "--perturbations", labels[0], "--out", str(out)]
     )
     assert out.exists() and not stale.exists() and live.exists()
+
+
+# ----------------------------------------------------------------------------- counts output
+def _counts_of(path) -> tuple[pd.DataFrame, np.ndarray]:
+    pred = ad.read_h5ad(path)
+    return pred.obs, _dense(pred.X)
+
+
+def test_the_seed_changes_the_counts_predict_py_draws(vcc_run, tmp_path):
+    """A model folder with one saved control cell: every predicted cell is that cell plus its
+    perturbation's change, whatever the seed, so only the counts sampler's draws can differ.
+    The same --seed gives the same counts; another --seed, other counts."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(vcc_run["model"], model)
+    one = ad.read_h5ad(model / "control_cells.h5ad")[:1].copy()
+    one.write_h5ad(model / "control_cells.h5ad")
+    labels, _ = _perturbations(vcc_run)
+    base = ["--model", str(model), "--perturbations", labels[0], "--output", "counts"]
+    base += ["--sampler", "poisson", "--cells-per-perturbation", "30"]
+    got = {}
+    for name, seed in (("a", 0), ("b", 0), ("c", 1)):
+        predict_main([*base, "--seed", str(seed), "--out", str(tmp_path / f"{name}.h5ad")])
+        got[name] = _counts_of(tmp_path / f"{name}.h5ad")
+    obs, first = got["a"]
+    assert (obs["control_cell"] == one.obs_names[0]).all()
+    pd.testing.assert_frame_equal(obs, got["c"][0])  # the same cells, whatever the seed
+    np.testing.assert_array_equal(first, got["b"][1])
+    predicted = obs["predicted"].to_numpy()
+    assert predicted.sum() == 30
+    assert not np.array_equal(first[predicted], got["c"][1][predicted])
+
+
+def test_a_median_umi_of_exactly_the_cap_is_accepted(vcc_run, tmp_path):
+    """median_umi_per_cell may be the challenge's cap itself (1e6 counts a cell), not above."""
+    labels, _ = _perturbations(vcc_run)
+    csv = tmp_path / "counts.csv"
+    csv.write_text(f"target_gene,n_cells,median_umi_per_cell\n{labels[0]},4,1000000\n")
+    assert read_counts(csv, "target_gene").median_umi == {labels[0]: 1e6}
+    out = tmp_path / "p.h5ad"
+    argv = ["--model", str(vcc_run["model"]), "--counts", str(csv), "--output", "counts"]
+    predict_main([*argv, "--out", str(out)])
+    obs, X = _counts_of(out)
+    totals = X[obs["predicted"].to_numpy()].sum(axis=1)
+    assert len(totals) == 4 and totals.max() <= MAX_COUNTS_PER_CELL and totals.min() > 1e5
+    csv.write_text(f"target_gene,n_cells,median_umi_per_cell\n{labels[0]},4,1000001\n")
+    with pytest.raises(GearsInputError, match="median_umi_per_cell must be > 0 and <="):
+        read_counts(csv, "target_gene")
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_control_cells_are_their_own_raw_counts_under_every_sampler(vcc_run, tmp_path, sampler):
+    """The control cells of a counts prediction are the training file's raw counts of the saved
+    control cells they name, exactly: no sampler draws them (and no depth is applied)."""
+    labels, _ = _perturbations(vcc_run)
+    out = tmp_path / "p.h5ad"
+    argv = ["--model", str(vcc_run["model"]), "--perturbations", ",".join(labels[:2])]
+    argv += ["--output", "counts", "--sampler", sampler, "--cells-per-perturbation", "5"]
+    predict_main([*argv, "--out", str(out)])
+    obs, X = _counts_of(out)
+    control = ~obs["predicted"].to_numpy()
+    assert control.sum() == 100  # every saved control cell
+    raw = ad.read_h5ad(vcc_run["h5ad"])
+    names = obs["control_cell"].to_numpy()[control]
+    expected = _dense(raw[names, _genes(vcc_run)].X)
+    assert expected.sum() > 0
+    np.testing.assert_array_equal(X[control], expected)

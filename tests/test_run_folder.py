@@ -121,6 +121,37 @@ def test_a_live_runs_lock_refuses_a_second_run_and_dies_with_it(tmp_path):
     claim_on_rank_0(run, resume=True, replace=False).release()
 
 
+_TAKE = textwrap.dedent(
+    """
+    import fcntl, os, sys
+    fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        sys.exit("held")
+    print("took")
+    """
+)
+
+
+def test_a_refused_claim_lets_another_process_take_the_folder(tmp_path):
+    """A refusal (another run's outputs; a resume with no checkpoint) releases the lock it took
+    to look: a notebook that was refused must not keep a later run, in another process, out of
+    the folder."""
+    refused = tmp_path / "outputs"
+    _finished_run(refused)
+    no_checkpoint = tmp_path / "no_checkpoint"
+    no_checkpoint.mkdir()
+    (no_checkpoint / "metrics.json").write_text("{}")
+    for run, resume in ((refused, False), (no_checkpoint, True)):
+        with pytest.raises(GearsInputError):
+            claim_on_rank_0(run, resume=resume, replace=False)
+        took = subprocess.run(
+            [sys.executable, "-c", _TAKE, str(run / LOCK_NAME)], capture_output=True, text=True
+        )
+        assert (took.returncode, took.stdout.strip()) == (0, "took"), (run.name, took.stderr)
+
+
 # ------------------------------------------------------------------------ end to end (the CLI)
 # One run per folder through train_single.py, the resume rule and the full-disk advice:
 # tests/test_resume.py. Here: the refusal with two processes.

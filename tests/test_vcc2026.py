@@ -138,6 +138,29 @@ def test_in_memory_and_out_of_core_views_agree(files, tmp_path):
     np.testing.assert_array_equal(a.de_idx, b.de_idx)
 
 
+def test_a_context_view_keeps_the_data_subset_in_memory_and_out_of_core(files, tmp_path):
+    """data.subset holds in a context's view: the store-backed view (processed again from the
+    file) equals the in-memory one (rows of the subset's processed matrix), and the excluded
+    perturbations stay out of both."""
+    raw = ad.read_h5ad(files["training"])
+    targets = sorted(set(raw.obs["target"].astype(str)) - {CONTROL})
+    kept, dropped = targets[:6], targets[6:]
+    subset = {"target": [CONTROL, *kept]}
+    views = {
+        store: _load(files, tmp_path / store, store, subset=subset).context_view("lineB")
+        for store in ("memory", "mmap")
+    }
+    a, b = views["memory"], views["mmap"]
+    assert a.conditions == b.conditions
+    assert {c.split("+")[0] for c in b.conditions} - {"ctrl"} <= set(kept)
+    assert not {f"{t}+ctrl" for t in dropped} & set(b.conditions)
+    assert len(b.cell_condition) == len(a.cell_condition)
+    np.testing.assert_array_equal(a.library_size, b.library_size)
+    np.testing.assert_allclose(_dense(a.expr.numpy()), _dense(b.expr.numpy()), rtol=1e-6)
+    np.testing.assert_allclose(a.ctrl_mean, b.ctrl_mean, rtol=1e-6)
+    np.testing.assert_array_equal(a.de_idx, b.de_idx)
+
+
 @pytest.mark.parametrize("store", ["memory", "mmap"])
 def test_bad_counts_and_context_inputs_are_named(files, tmp_path, store):
     with pytest.raises(GearsInputError, match="'tissue'.*no such column.*cell_line"):
@@ -453,3 +476,162 @@ def test_counts_output_needs_a_model_trained_from_counts(tmp_path, capsys):
         guarded(lambda: predict_main([*argv, "--out", str(tmp_path / "p.h5ad")]))
     err = capsys.readouterr().err
     assert stop.value.code == 2 and "raw counts' scale" in err and err.count("\n") == 1
+
+
+# ------------------------------------------------- the rescaling, offline (a fake cell-eval2)
+# Per member: its raw value u, the baseline b, the replicate r, and s = (u - b) / (r - b) by
+# hand (0 = the mean-response baseline, 1 = a repeat of the experiment). sig_jaccard's
+# replicate equals its baseline: no scale, so it is unscored and left out of the mean.
+HAND = {
+    "pds_cosine": (0.5, 0.2, 0.6, 0.75),  # 0.3 / 0.4
+    "expr_mse_unbiased_capped_norm": (0.7, 0.8, 0.4, 0.25),  # -0.1 / -0.4 (lower is better)
+    "de_wilcoxon_lfc_nmae": (0.9, 1.0, 0.5, 0.2),  # -0.1 / -0.5 (lower is better)
+    "de_wilcoxon_direction_fidelity_yield_raw": (0.5, 0.1, 0.9, 0.5),  # 0.4 / 0.8
+    "de_wilcoxon_direction_reach_raw": (0.45, 0.3, 0.5, 0.75),  # 0.15 / 0.2
+    "de_wilcoxon_sig_jaccard": (0.5, 0.4, 0.4, None),  # r == b
+}
+HAND_SCORE = (0.75 + 0.25 + 0.2 + 0.5 + 0.75) / 5  # 0.49
+
+
+class _FakeAgg:
+    """What gears.vcc2026 reads of cell-eval2's aggregate: its 'mean' row (one value a member)."""
+
+    def __init__(self, values: dict):
+        self.values = dict(values)
+
+    def __getitem__(self, column):  # agg["statistic"] == "mean" -> True: filter keeps the row
+        return "mean"
+
+    def filter(self, keep):
+        assert keep is True
+        return self
+
+    def drop(self, column):
+        return self
+
+    def to_dicts(self):
+        return [dict(self.values)]
+
+
+def fake_cell_eval2(monkeypatch) -> None:
+    """cell-eval2's interface as gears.vcc2026 calls it, with HAND's baseline and replicate per
+    member and a linear score_one: installed in sys.modules whether or not cell-eval2 is."""
+    import dataclasses
+    import types
+
+    @dataclasses.dataclass(frozen=True)
+    class De:
+        backend: str = "auto"
+
+    @dataclasses.dataclass(frozen=True)
+    class EvalConfig:
+        pert_col: str = "target_gene"
+        control: str = "non-targeting"
+        input_type: str = "counts"
+        device: str = "auto"
+        num_threads: int = -1
+        gather_threads: int = -1
+        target_gene_map: dict | None = None
+        metrics: tuple = tuple(MEMBERS)
+        de: De = De()
+
+        @classmethod
+        def from_preset(cls, name):
+            assert name == "vcc2026"
+            return cls()
+
+    @dataclasses.dataclass(frozen=True)
+    class Policy:
+        lower_is_better: bool
+        anchor: float = math.nan
+        allow_negative_baseline: bool = True
+
+    def is_degenerate(base, policy):  # no scale unless the replicate is better than b
+        gap = policy.anchor - base
+        return not math.isfinite(gap) or (gap >= 0 if policy.lower_is_better else gap <= 0)
+
+    def score_one(user, base, policy):
+        return 0.0 if user is None else (user - base) / (policy.anchor - base)
+
+    def build_generic_baseline(real, config, emit, allow_degenerate):
+        assert emit == "dispersed" and config.de.backend == "pdex"
+        return types.SimpleNamespace(agg=_FakeAgg({m: HAND[m][1] for m in config.metrics}))
+
+    def compute_replicate_anchor(real, config):
+        members = list(config.metrics)
+        return None, pd.DataFrame({"metric": members, "replicate": [HAND[m][2] for m in members]})
+
+    def compute_metrics(pred, real, config):
+        return {m: pred.uns["raw"][m] for m in config.metrics}
+
+    lower = {"expr_mse_unbiased_capped_norm", "de_wilcoxon_lfc_nmae"}
+    modules = {
+        "cell_eval2": dict(
+            __version__="fake",
+            EvalConfig=EvalConfig,
+            build_generic_baseline=build_generic_baseline,
+            compute_metrics=compute_metrics,
+            aggregate_metrics_wide=lambda values, metrics: _FakeAgg(values),
+        ),
+        "cell_eval2.anchor": dict(compute_replicate_anchor=compute_replicate_anchor),
+        "cell_eval2.run": dict(metric_output_names=lambda cfg: list(cfg.metrics)),
+        "cell_eval2.catalog": dict(
+            CATALOG={m: types.SimpleNamespace(scoring=Policy(m in lower)) for m in MEMBERS}
+        ),
+        "cell_eval2.scoring": dict(is_degenerate=is_degenerate, score_one=score_one),
+        "pdex": {},
+    }
+    for name, attrs in modules.items():
+        module = types.ModuleType(name)
+        module.__dict__.update(attrs)
+        monkeypatch.setitem(sys.modules, name, module)
+
+
+@pytest.mark.parametrize("which", ["fake", "cell-eval2"])
+def test_rescale_puts_the_baseline_at_0_and_the_replicate_at_1(which, monkeypatch):
+    """rescale(member, raw, baseline, replicate) against HAND's values: by the fake (offline,
+    the argument order and the direction of each member), and by cell-eval2's own catalog
+    policies where it is installed (the hand values are the official ones)."""
+    from gears.vcc2026 import rescale
+
+    if which == "fake":
+        fake_cell_eval2(monkeypatch)
+    elif not HAS_CELL_EVAL2:
+        pytest.skip(NO_CELL_EVAL2)
+    for member, (u, b, r, s) in HAND.items():
+        if s is None:
+            assert rescale(member, u, b, r) is None, member
+        else:
+            assert rescale(member, u, b, r) == pytest.approx(s, abs=1e-12), member
+            assert rescale(member, b, b, r) == pytest.approx(0.0, abs=1e-12), member
+            assert rescale(member, r, b, r) == pytest.approx(1.0, abs=1e-12), member
+
+
+def test_score_vcc2026_rescales_each_member_and_averages_the_scored_ones(monkeypatch):
+    """score_vcc2026 on a fake cell-eval2 (runs without it): each member's baseline and
+    replicate reported as given, each raw value rescaled by hand's (u - b) / (r - b), the
+    member with no scale unscored (None) and out of the mean, the score the mean of the five."""
+    from gears.vcc2026 import score_vcc2026
+
+    fake_cell_eval2(monkeypatch)
+    real = ad.AnnData(
+        X=sp.csr_matrix(np.ones((4, 2), dtype=np.float32)),
+        obs=pd.DataFrame({"target": [CONTROL, CONTROL, "G1", "G2"]}, index=list("abcd")),
+        var=pd.DataFrame(index=["G1", "G2"]),
+    )
+    pred = real.copy()
+    pred.uns["raw"] = {m: u for m, (u, _, _, _) in HAND.items()}
+    got = score_vcc2026({"pred": pred}, real, "target", CONTROL, "counts", threads=1)
+    assert got["baseline"] == {m: b for m, (_, b, _, _) in HAND.items()}
+    assert got["replicate"] == {m: r for m, (_, _, r, _) in HAND.items()}
+    assert list(got["unscored"]) == ["de_wilcoxon_sig_jaccard"]
+    scores = got["predictors"]["pred"]
+    assert scores["raw"] == pred.uns["raw"]
+    for member, (_, _, _, s) in HAND.items():
+        if s is None:
+            assert scores["scaled"][member] is None
+        else:
+            assert scores["scaled"][member] == pytest.approx(s, abs=1e-12), member
+    assert scores["n_scored"] == 5
+    assert scores["score"] == pytest.approx(HAND_SCORE, abs=1e-12)
+    assert HAND_SCORE == pytest.approx(0.49)
