@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -474,3 +475,30 @@ def test_a_killed_writers_temporary_file_is_removed_by_the_next_run(vcc_run, tmp
         ["--model", str(vcc_run["model"]), "--perturbations", labels[0], "--out", str(out)]
     )
     assert out.exists() and not stale.exists() and live.exists()
+
+
+def test_a_model_folders_own_code_runs_only_with_trust_model_code(vcc_run, tmp_path, capsys):
+    """predict.py --model FOLDER whose config.json names x.py:Evil beside an x.py ran x.py
+    (exit 0, nothing said): now one line naming the file and --trust-model-code, nothing runs;
+    with the flag the folder's code loads and predicts."""
+    folder = tmp_path / "model"
+    shutil.copytree(vcc_run["model"], folder)
+    mark = tmp_path / "ran"
+    (folder / "x.py").write_text(
+        f"from pathlib import Path\n\nfrom gears.model.network import GEARSNet\n\n"
+        f"Path({str(mark)!r}).write_text('ran')\n\n\nclass Evil(GEARSNet):\n    pass\n"
+    )
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "impl": "x.py:Evil"}))
+    labels, _ = _perturbations(vcc_run)
+    out = tmp_path / "p.h5ad"
+    argv = ["--model", str(folder), "--perturbations", labels[0], "--out", str(out)]
+    code, err = _run_cli(argv, capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert str(folder / "x.py") in err and "--trust-model-code" in err
+    assert not mark.exists() and not out.exists()
+    with pytest.raises(Exception, match="trust"):
+        load_model(folder)
+    assert not mark.exists()
+    predict_main([*argv, "--trust-model-code"])
+    assert mark.exists() and out.is_file()
