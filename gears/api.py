@@ -409,16 +409,18 @@ class GEARS:
         GI_genes_file: str | None = None,
         covariates: dict[str, str] | None = None,
     ) -> dict:
-        """Genetic-interaction scores of a double from predicted changes versus control."""
+        """Genetic-interaction scores of a double from predicted changes versus control, on the
+        genes of GI_genes_file (a text file of one gene a line, or a .npy of strings) if given,
+        else on every gene."""
         from gears.metrics import gi_params
 
         if len(combo) != 2:
             raise GearsInputError(f"GI_predict needs two genes, got {combo}")
+        wanted = read_gene_file(GI_genes_file) if GI_genes_file is not None else None
         pred = self.predict([[combo[0]], [combo[1]], list(combo)], covariates)
         pred = pred[0] if isinstance(pred, tuple) else pred
         genes = np.arange(len(self.gene_list))
-        if GI_genes_file is not None:
-            wanted = set(np.load(GI_genes_file, allow_pickle=True).astype(str))
+        if wanted is not None:
             genes = np.array([i for i, g in enumerate(self.gene_list) if g in wanted])
         ctrl = self._control_mean(covariates)
         first, second, double = (
@@ -578,6 +580,39 @@ class GEARS:
         self.model.load_state_dict(weights)
         self.best_model = self.model
         return self
+
+
+def read_gene_file(path: str | Path) -> set[str]:
+    """The gene names of GI_predict's gene file: a .npy of strings (read without unpickling:
+    an object array is refused, since loading it could run code), or a text file of one name
+    a line."""
+    path = Path(path)
+    if not path.is_file():
+        raise GearsInputError(f"GI_genes_file {path} does not exist")
+    if path.read_bytes()[:6] == b"\x93NUMPY":
+        try:
+            names = np.load(path, allow_pickle=False)
+        except ValueError as e:
+            if "pickle" not in str(e).lower():
+                raise GearsInputError(f"GI_genes_file {path} is unreadable ({e})") from None
+            raise GearsInputError(
+                f"GI_genes_file {path} holds an object array, which only unpickling reads (and "
+                "unpickling can run code): save the names as strings, "
+                "np.save(path, np.array(names, dtype=str)), or as text, one gene a line"
+            ) from None
+        if names.dtype.kind not in "US":
+            raise GearsInputError(
+                f"GI_genes_file {path} holds {names.dtype} values, not gene names: save them as "
+                "strings (np.array(names, dtype=str)) or as text, one gene a line"
+            )
+        return {str(n) for n in names.ravel()}
+    try:
+        lines = path.read_text().splitlines()
+    except UnicodeDecodeError:
+        raise GearsInputError(
+            f"GI_genes_file {path} is neither a .npy of strings nor text (one gene a line)"
+        ) from None
+    return {line.strip() for line in lines if line.strip()}
 
 
 def _vocab_difference(saved: list[str], current: list[str]) -> str:
