@@ -3,6 +3,8 @@ loss axis reads as plain numbers."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import matplotlib.pyplot as plt
 import numpy as np
 import pytest
@@ -85,3 +87,35 @@ def test_an_unobserved_perturbation_says_so(tiny):
         assert ax.get_xlabel() == "the 20 genes with the largest predicted change"
     finally:
         plt.close(fig)
+
+
+def test_a_condition_named_like_a_path_plots_inside_out_dir_plots(tmp_path):
+    """The run's example plots were named by their condition: a perturbed gene named
+    ../../../x/NAME wrote its plot outside out_dir. Every name now lands in out_dir/plots, one
+    file each (names that clean to the same text stay apart)."""
+    from gears.run import plot_examples
+
+    out = tmp_path / "a" / "b" / "c" / "run"
+    units = [
+        ("../../../x/NAME+ctrl", {}),
+        ("/abs/G1+ctrl", {}),
+        ("..+ctrl", {}),
+        ("G2\x00+ctrl", {"context": "../line"}),
+        ("G3+ctrl", {"context": "A172"}),
+        ("G4+G5", {}),
+    ]
+
+    class Model:
+        def test_units(self):
+            return units
+
+        def plot_perturbation(self, cond, save_file, values):
+            Path(save_file).parent.mkdir(parents=True, exist_ok=True)
+            Path(save_file).write_text(cond)
+
+    plot_examples(Model(), out, len(units))
+    written = sorted(p for p in tmp_path.rglob("*") if p.is_file())
+    assert all(p.parent == out / "plots" for p in written), written
+    assert len(written) == len(units)
+    names = {p.name for p in written}
+    assert {"G3_ctrl_A172.png", "G4_G5.png"} <= names  # plain names are kept as they were
