@@ -112,10 +112,18 @@ def model_folders(model: Path, out: Path) -> list[tuple[Path, Path]]:
         contexts = json.loads(index.read_text())["contexts"]
     except (ValueError, KeyError, TypeError):
         raise GearsInputError(f"{index} is damaged; it lists a run's contexts") from None
-    return [
-        (model / folder, out.with_name(f"{out.stem}_{Path(folder).parent.name}{out.suffix}"))
-        for folder in contexts.values()
-    ]
+    pairs = []
+    for folder in contexts.values():
+        # (an edited index must not send predict.py, or --trust-model-code, to other folders)
+        parts = Path(str(folder)).parts
+        if not isinstance(folder, str) or Path(folder).is_absolute() or ".." in parts:
+            raise GearsInputError(
+                f"{index} names the model folder {folder!r}, outside {model}: it lists only the "
+                "run's own context folders; it was edited or damaged, restore it from the run"
+            )
+        name = Path(folder).parent.name
+        pairs.append((model / folder, out.with_name(f"{out.stem}_{name}{out.suffix}")))
+    return pairs
 
 
 def main(argv=None):

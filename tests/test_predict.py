@@ -502,3 +502,23 @@ def test_a_model_folders_own_code_runs_only_with_trust_model_code(vcc_run, tmp_p
     assert not mark.exists()
     predict_main([*argv, "--trust-model-code"])
     assert mark.exists() and out.is_file()
+
+
+def test_a_runs_context_index_names_only_folders_inside_the_run(tmp_path):
+    """predict.py --model RUN read each context's model from the folder contexts.json names:
+    an edited index sent it to any folder (`../elsewhere/model`, an absolute path). Now a
+    folder outside the run is one line naming the index; the run's own folders still count."""
+    from gears.errors import GearsInputError
+    from predict import model_folders
+
+    run = tmp_path / "run"
+    run.mkdir()
+    index = run / "contexts.json"
+    for outside in ("../elsewhere/model", str(tmp_path / "elsewhere" / "model"), "a/../../x"):
+        index.write_text(json.dumps({"contexts": {"lineA": outside}}))
+        with pytest.raises(GearsInputError, match="contexts.json.*outside"):
+            model_folders(run, tmp_path / "p.h5ad")
+    index.write_text(json.dumps({"contexts": {"lineA": "lineA/model"}}))
+    assert model_folders(run, tmp_path / "p.h5ad") == [
+        (run / "lineA" / "model", tmp_path / "p_lineA.h5ad")
+    ]
