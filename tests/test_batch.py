@@ -320,6 +320,7 @@ def test_a_model_folders_impl_names_only_its_own_file_checked_before_any_import(
         "gears_test_marking_module:Evil": "names the module 'gears_test_marking_module'",
         "os:system": "names the module 'os'",
         "x.py:Evil;": "not a class name",
+        "gears.model.no_such_module:Evil": r"config\.json\): cannot import",
     }
     for k, (impl, message) in enumerate(cases.items()):
         folder = _folder_naming(plain, tmp_path / f"m{k}", impl, outside, mark)

@@ -67,9 +67,10 @@ def network_class(
             "'path/to/file.py:ClassName' or 'module:ClassName'"
         )
     where, name = impl.rsplit(":", 1)
+    origin = f" (named by {Path(folder) / 'config.json'})" if folder is not None else ""
     if folder is not None:
         path = folder_code(impl, Path(folder), trust_code)
-        module = _module_from_file(path, impl) if path is not None else _import(where, impl)
+        module = _module_from_file(path, impl) if path is not None else _import(where, impl, origin)
     elif spec_file(impl) is not None:
         path = spec_file(impl)
         if not path.is_file():
@@ -80,7 +81,7 @@ def network_class(
     cls = getattr(module, name, None)
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
         raise GearsInputError(
-            f"model.impl={impl!r}: {where} defines no torch.nn.Module class {name!r}"
+            f"model.impl={impl!r}{origin}: {where} defines no torch.nn.Module class {name!r}"
         )
     return cls
 
@@ -122,11 +123,13 @@ def folder_code(impl: str, folder: Path, trust_code: bool) -> Path | None:
     return path
 
 
-def _import(where: str, impl: str):
+def _import(where: str, impl: str, origin: str = ""):
     try:
         return importlib.import_module(where)
     except ImportError as e:
-        raise GearsInputError(f"model.impl={impl!r}: cannot import {where!r} ({e})") from None
+        raise GearsInputError(
+            f"model.impl={impl!r}{origin}: cannot import {where!r} ({e})"
+        ) from None
 
 
 def fork_files(path: Path) -> list[Path]:
