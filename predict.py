@@ -10,7 +10,9 @@ FILE: one perturbation a line; LIST: comma-separated; spelled as the training da
 row. --output lognorm (default) writes log-normalised expression; --output counts writes integer
 counts (the 2026 challenge), drawn by --sampler at the control cells' depth or at the CSV's
 median_umi_per_cell (gears/counts.py). The control cells come from the model folder (a sample
-saved with the model; see gears/predict.py). --real scores a log-normalised prediction with
+saved with the model; see gears/predict.py). --trust-model-code: a model folder whose config.json
+names a fork's class (model.impl=file.py:Class) runs that file, kept in the folder, only with this
+flag; read the file first. --real scores a log-normalised prediction with
 cell-eval's vcc profile and writes <out>.metrics.json.
 
 A run with data.context_key has one model per context: --model RUN_DIR predicts each context's
@@ -88,6 +90,12 @@ def parse_args(argv=None):
     parser.add_argument("--real", help="real .h5ad to score against with cell-eval (vcc profile)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the control-cell draws")
     parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto")
+    parser.add_argument(
+        "--trust-model-code",
+        action="store_true",
+        help="run the network code a model folder carries (a fork's file that its config.json "
+        "names); read the file first. Without it such a folder is refused and nothing runs",
+    )
     parser.add_argument("--threads", type=int, default=1, help="cell-eval threads (--real)")
     return parser.parse_args(argv)
 
@@ -104,10 +112,18 @@ def model_folders(model: Path, out: Path) -> list[tuple[Path, Path]]:
         contexts = json.loads(index.read_text())["contexts"]
     except (ValueError, KeyError, TypeError):
         raise GearsInputError(f"{index} is damaged; it lists a run's contexts") from None
-    return [
-        (model / folder, out.with_name(f"{out.stem}_{Path(folder).parent.name}{out.suffix}"))
-        for folder in contexts.values()
-    ]
+    pairs = []
+    for folder in contexts.values():
+        # (an edited index must not send predict.py, or --trust-model-code, to other folders)
+        parts = Path(str(folder)).parts
+        if not isinstance(folder, str) or Path(folder).is_absolute() or ".." in parts:
+            raise GearsInputError(
+                f"{index} names the model folder {folder!r}, outside {model}: it lists only the "
+                "run's own context folders; it was edited or damaged, restore it from the run"
+            )
+        name = Path(folder).parent.name
+        pairs.append((model / folder, out.with_name(f"{out.stem}_{name}{out.suffix}")))
+    return pairs
 
 
 def main(argv=None):
@@ -166,7 +182,12 @@ def predict_one(args, folder: Path, out: Path):
     )
 
     model, info, controls = load_model(
-        folder, args.device, data=args.data, gene2go=args.gene2go, gene_set=args.gene_set
+        folder,
+        args.device,
+        data=args.data,
+        gene2go=args.gene2go,
+        gene_set=args.gene_set,
+        trust_code=args.trust_model_code,
     )
     control_label = info.get("control_label", "ctrl")
     key = info.get("condition_key", "condition")

@@ -19,7 +19,7 @@ from gears.distributed import DistEnv, choose_device, release
 from gears.engine import Trainer
 from gears.errors import GearsInputError
 from gears.evaluate import Evaluator, predict_deltas
-from gears.model import network_class, spec_file
+from gears.model import fork_files, network_class, spec_file
 from gears.model.batch import declared_covariates, predicted_expression, reads_x
 from gears.model_folder import (
     CONFIG_FILE,
@@ -72,6 +72,7 @@ class GEARS:
         self.model_cfg: ModelConfig | None = None
         self.model: torch.nn.Module | None = None  # the network model.impl names
         self.model_folder: Path | None = None  # the folder load_pretrained read it from
+        self.trust_code = False  # whether that folder's own code (a fork's file) may run
         # A model loaded from cell-gears: its predict() protocol around self.model (predictions
         # equal cell-gears's); None otherwise (gears/cell_gears.py CellGearsPrediction).
         self.cell_gears_net: torch.nn.Module | None = None
@@ -97,7 +98,7 @@ class GEARS:
                 graph_cfg.coexpress_top_k, graph_cfg.coexpress_threshold
             )
             graphs = ((go.edge_index, go.edge_weight), (co.edge_index, co.edge_weight))
-        self.model_cfg, self.model_folder = model_cfg, None
+        self.model_cfg, self.model_folder, self.trust_code = model_cfg, None, False
         # config.json: the hyperparameters, and the graph settings under cell-gears's names.
         self.config = {
             **asdict(model_cfg),
@@ -168,7 +169,7 @@ class GEARS:
         """The network model.impl names, its covariates' categories (config.json's, else this
         data's), and the model's one Evaluator."""
         self.cell_gears_net = None
-        network = network_class(self.model_cfg.impl, self.model_folder)
+        network = network_class(self.model_cfg.impl, self.model_folder, self.trust_code)
         names = declared_covariates(network)
         categories = self.config.get("covariates") or data_categories(self.pert_data, names)
         self.config["covariates"] = {n: list(categories[n]) for n in names}
@@ -408,16 +409,18 @@ class GEARS:
         GI_genes_file: str | None = None,
         covariates: dict[str, str] | None = None,
     ) -> dict:
-        """Genetic-interaction scores of a double from predicted changes versus control."""
+        """Genetic-interaction scores of a double from predicted changes versus control, on the
+        genes of GI_genes_file (a text file of one gene a line, or a .npy of strings) if given,
+        else on every gene."""
         from gears.metrics import gi_params
 
         if len(combo) != 2:
             raise GearsInputError(f"GI_predict needs two genes, got {combo}")
+        wanted = read_gene_file(GI_genes_file) if GI_genes_file is not None else None
         pred = self.predict([[combo[0]], [combo[1]], list(combo)], covariates)
         pred = pred[0] if isinstance(pred, tuple) else pred
         genes = np.arange(len(self.gene_list))
-        if GI_genes_file is not None:
-            wanted = set(np.load(GI_genes_file, allow_pickle=True).astype(str))
+        if wanted is not None:
             genes = np.array([i for i, g in enumerate(self.gene_list) if g in wanted])
         ctrl = self._control_mean(covariates)
         first, second, double = (
@@ -463,7 +466,8 @@ class GEARS:
         """A folder with config.json and model.pt (weights without any DDP `module.` prefix,
         plus the graphs and gene lists, so loading needs no graph rebuild), and for predict.py
         control_cells.h5ad and prediction.json (gears.predict.write_prediction_inputs). A fork's
-        network file (model.impl=path/to/file.py:Class) is copied in, and loads from there."""
+        network file (model.impl=path/to/file.py:Class) is copied in with the modules beside it
+        that it imports (gears.model.fork_files), and loads from there (with trust_code)."""
         if not self.env.is_main:
             return
         path = Path(path)
@@ -481,8 +485,11 @@ class GEARS:
         ckpt.atomic_save(state, path / MODEL_FILE)
         fork = spec_file(self.model_cfg.impl)
         if fork is not None:  # the fork's code beside its weights (network_class reads it)
-            source = Path(inspect.getsourcefile(type(self.model))).read_text()
-            ckpt.atomic_write(path / fork.name, lambda tmp: tmp.write_text(source))
+            source = Path(inspect.getsourcefile(type(self.model)))
+            for file in fork_files(source):
+                text = file.read_text()
+                name = fork.name if file == source else file.name
+                ckpt.atomic_write(path / name, lambda tmp, text=text: tmp.write_text(text))
         if hasattr(self.pert_data, "ctrl_rows"):  # a PertData, not a folder's vocabulary
             # Control cells and the input's spelling, so predict.py needs no dataset.
             write_prediction_inputs(self.pert_data, path, seed=self.seed)
@@ -517,14 +524,21 @@ class GEARS:
         return model.load_pretrained(path, check_go_graph, cell_gears_predict)
 
     def load_pretrained(
-        self, path: str | Path, check_go_graph: bool = True, cell_gears_predict: bool = True
+        self,
+        path: str | Path,
+        check_go_graph: bool = True,
+        cell_gears_predict: bool = True,
+        trust_code: bool = False,
     ) -> GEARS:
         """Load a model folder written by save_model, or by cell-gears's save_model (config.pkl
         + model.pt; gears/cell_gears.py, docs/cell_gears_models.md). A cell-gears model's
         vocabulary must be this PertData's: its sizes are checked, and with check_go_graph its
         perturbation order against the model's GO graph. cell_gears_predict: predict as
         cell-gears's predict() does (True, same numbers) or with this project's network, which
-        applies the co-expression graph to every cell (False)."""
+        applies the co-expression graph to every cell (False). trust_code: a folder whose
+        config.json names a fork's class runs the copy of its file kept in the folder only when
+        True (read the file first; like transformers' trust_remote_code); without it that is an
+        error naming the file, and nothing of the folder runs (gears.model.folder_code)."""
         from gears import cell_gears
 
         path = Path(path)
@@ -560,12 +574,45 @@ class GEARS:
         self.model_cfg = ModelConfig.from_dict(self.config)
         ckpt.check_compatible(state, path / MODEL_FILE, self._checkpoint_meta())
         (go_ei, go_w), (co_ei, co_w) = state["graphs"]["go"], state["graphs"]["coexpress"]
-        self.model_folder = path
+        self.model_folder, self.trust_code = path, trust_code
         self._build(go_ei, go_w, co_ei, co_w)
         weights = {k.removeprefix("module."): v for k, v in state["state_dict"].items()}
         self.model.load_state_dict(weights)
         self.best_model = self.model
         return self
+
+
+def read_gene_file(path: str | Path) -> set[str]:
+    """The gene names of GI_predict's gene file: a .npy of strings (read without unpickling:
+    an object array is refused, since loading it could run code), or a text file of one name
+    a line."""
+    path = Path(path)
+    if not path.is_file():
+        raise GearsInputError(f"GI_genes_file {path} does not exist")
+    if path.read_bytes()[:6] == b"\x93NUMPY":
+        try:
+            names = np.load(path, allow_pickle=False)
+        except ValueError as e:
+            if "pickle" not in str(e).lower():
+                raise GearsInputError(f"GI_genes_file {path} is unreadable ({e})") from None
+            raise GearsInputError(
+                f"GI_genes_file {path} holds an object array, which only unpickling reads (and "
+                "unpickling can run code): save the names as strings, "
+                "np.save(path, np.array(names, dtype=str)), or as text, one gene a line"
+            ) from None
+        if names.dtype.kind not in "US":
+            raise GearsInputError(
+                f"GI_genes_file {path} holds {names.dtype} values, not gene names: save them as "
+                "strings (np.array(names, dtype=str)) or as text, one gene a line"
+            )
+        return {str(n) for n in names.ravel()}
+    try:
+        lines = path.read_text().splitlines()
+    except UnicodeDecodeError:
+        raise GearsInputError(
+            f"GI_genes_file {path} is neither a .npy of strings nor text (one gene a line)"
+        ) from None
+    return {line.strip() for line in lines if line.strip()}
 
 
 def _vocab_difference(saved: list[str], current: list[str]) -> str:

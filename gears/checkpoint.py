@@ -371,6 +371,7 @@ DATA_PARTS = {
     "split:seed": "the split seed (it also pairs control cells)",
     "graphs": "the GO and co-expression graph edges",
     "world_size": "the number of processes (the effective batch)",
+    "code:network": "the fork's network file and the modules beside it that it imports, by content",
 }
 SAMPLED_CELLS = 256
 

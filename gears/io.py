@@ -1,14 +1,31 @@
-"""Reading user files (.h5ad, JSON) with one clear error naming the file and what was found."""
+"""Reading user files (.h5ad, JSON) with one clear error naming the file and what was found,
+and file names made from names in the data."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 from gears.errors import GearsInputError
 
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.+=-]")  # what a name from the data keeps in a file name
+MAX_NAME = 100
+
+
+def file_name(name: str) -> str:
+    """A name from the data (a gene, condition, context) as one file name, never a path: any
+    character but letters, digits and `_.+=-` becomes `_`, leading dots go (no `.`, `..` or
+    hidden file), and a name that changed or was long gets 8 hex of its hash (two names never
+    meet in one file). Plain names ("KLF1_ctrl") are kept as they are."""
+    safe = _UNSAFE.sub("_", name).lstrip(".")
+    if safe == name and 0 < len(safe) <= MAX_NAME:
+        return safe
+    digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    return f"{safe[:MAX_NAME]}_{digest}"
 
 
 def describe_file(path: Path) -> str:

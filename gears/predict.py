@@ -73,8 +73,11 @@ def load_model(
     data: str | Path | None = None,
     gene2go: str | Path | None = None,
     gene_set: str | Path | None = None,
+    trust_code: bool = False,
 ):
     """A saved model folder -> (GEARS ready to predict, prediction info dict, control AnnData).
+    trust_code: run the fork's file kept in the folder, if its config.json names one
+    (predict.py --trust-model-code; GEARS.load_pretrained).
 
     A folder saved by cell-gears (config.pkl + model.pt) holds no names and no control cells:
     they come from `data` (the .h5ad it was trained on), `gene2go` and `gene_set`
@@ -97,7 +100,7 @@ def load_model(
     state = ckpt.load(path / MODEL_FILE, map_location="cpu")
     ctrl = np.asarray(state["ctrl_expression"], dtype=np.float64)  # saved as a tensor
     vocab = SavedVocabulary(meta["gene_names"], meta["pert_names"], ctrl)
-    model = GEARS(vocab, device=device).load_pretrained(path)
+    model = GEARS(vocab, device=device).load_pretrained(path, trust_code=trust_code)
     info = json.loads((path / PREDICTION_FILE).read_text())
     controls = read_control_cells(path / CONTROL_CELLS_FILE)
     if list(controls.var_names) != list(meta["gene_names"]):

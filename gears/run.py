@@ -221,6 +221,16 @@ def check_before_the_run(cfg: Config) -> None:
         require_scorable(cfg, network, one_model_per_context(cfg))
 
 
+def plot_examples(model, out: Path, n: int) -> None:
+    """The first n test units' perturbation plots, in out/plots whatever the names (a gene
+    named like a path names no place, gears.io.file_name)."""
+    from gears.io import file_name
+
+    for cond, values in model.test_units()[:n]:
+        name = file_name("_".join([cond.replace("+", "_"), *map(str, values.values())]))
+        model.plot_perturbation(cond, out / "plots" / f"{name}.png", values)
+
+
 def _run(cfg: Config, env: DistEnv, pert_data=None) -> dict | None:
     from gears.api import GEARS
     from gears.baselines import baseline_predictions
@@ -349,9 +359,7 @@ def _run(cfg: Config, env: DistEnv, pert_data=None) -> dict | None:
         model.save_model(out / "model")
         plot_history(history, out / "plots" / "loss.png")
         if has_test:
-            for cond, values in model.test_units()[: cfg.train.plot_conditions]:
-                name = "_".join([cond.replace("+", "_"), *values.values()])
-                model.plot_perturbation(cond, out / "plots" / f"{name}.png", values)
+            plot_examples(model, out, cfg.train.plot_conditions)
         results = _clean(results)
         text = json.dumps(results, indent=1)
         ckpt.atomic_write(out / "metrics.json", lambda tmp: tmp.write_text(text))

@@ -19,7 +19,7 @@ from gears import checkpoint as ckpt
 from gears.device import to_device, to_host
 from gears.distributed import all_gather_objects, all_reduce_max, barrier, broadcast_object
 from gears.errors import GearsInputError, TrainingStopped
-from gears.model import graph_buffer_names
+from gears.model import code_digest, graph_buffer_names
 
 
 @dataclass
@@ -185,7 +185,8 @@ def checkpoint_meta(trainer) -> dict:
 
 def fingerprint(trainer) -> dict:
     """The run's identity (gears.checkpoint.run_fingerprint: settings, data, split, graphs,
-    world size), computed once per trainer; a resume must match it (checkpoint.check_resume)."""
+    world size; a fork's source, gears.model.code_digest), computed once per trainer; a
+    resume must match it (checkpoint.check_resume)."""
     if trainer._fingerprint is None:
         config = dict(trainer.run_config or {"seed": trainer.seed})
         config["train"] = dataclasses.asdict(trainer.cfg)
@@ -197,6 +198,9 @@ def fingerprint(trainer) -> dict:
         trainer._fingerprint = ckpt.run_fingerprint(
             config, trainer.pert_data, graphs, trainer.env.world_size
         )
+        code = code_digest(type(trainer.net))
+        if code is not None:  # a fork's code, by content (model.impl names only its file)
+            trainer._fingerprint["code:network"] = code
     return trainer._fingerprint
 
 

@@ -5,6 +5,9 @@ fork classes named by model.impl. Results are checked against direct calls of th
 
 from __future__ import annotations
 
+import json
+import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -212,7 +215,9 @@ def test_a_saved_fork_loads_its_code_and_its_categories(lines, tmp_path):
     keep = only_l2.adata.obs["line"].values == "L2"
     only_l2.new_data_process("l2", only_l2.adata[keep].copy(), write=False)
     only_l2.set_context_key("line").prepare_split("simulation", seed=1)
-    loaded = GEARS(only_l2, device="cpu").load_pretrained(tmp_path / "model")
+    with pytest.raises(GearsInputError, match="trust_code=True"):
+        GEARS(only_l2, device="cpu").load_pretrained(tmp_path / "model")
+    loaded = GEARS(only_l2, device="cpu").load_pretrained(tmp_path / "model", trust_code=True)
     assert type(loaded.model).__name__ == "ContextGEARS"
     assert loaded.config["covariates"] == {"context": ["L1", "L2"]}
     for k, v in model.model.state_dict().items():
@@ -253,3 +258,124 @@ def test_segment_mean_is_the_mean_per_group():
     X = np.arange(12, dtype=np.float64).reshape(4, 3)
     got = segment_mean(X, np.array([1, 0, 1]), np.array([0, 1, 3]), 2)
     np.testing.assert_array_equal(got, [X[1], (X[0] + X[3]) / 2])
+
+
+# ------------------------------------------------------------ a model folder's code and forks
+# A fork file that leaves a mark when it is imported (the mark: code ran).
+MARKING_FORK = """from pathlib import Path
+
+from gears.model.network import GEARSNet
+
+Path({mark!r}).write_text("ran")
+
+
+class Evil(GEARSNet):
+    pass
+"""
+
+
+def _folder_naming(plain, folder: Path, impl: str, fork_file: Path | None, mark: Path) -> Path:
+    """A saved model of the plain screen whose config.json says model.impl=impl; fork_file (if
+    given) holds a class Evil that writes `mark` when imported."""
+    seed_everything(0)
+    _model(plain).save_model(folder)
+    if fork_file is not None:
+        fork_file.parent.mkdir(parents=True, exist_ok=True)
+        fork_file.write_text(MARKING_FORK.format(mark=str(mark)))
+    config = json.loads((folder / "config.json").read_text())
+    config["impl"] = impl
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_a_model_folders_own_code_runs_only_with_trust_code(plain, tmp_path):
+    """A config.json naming x.py:Evil beside an x.py ran that file on load_pretrained, with
+    nothing said: now it is one line naming the file and the opt-in, and nothing runs."""
+    mark = tmp_path / "ran"
+    folder = _folder_naming(plain, tmp_path / "m", "x.py:Evil", tmp_path / "m" / "x.py", mark)
+    with pytest.raises(GearsInputError, match=r"m/x\.py.*trust_code=True") as refused:
+        GEARS(plain, device="cpu").load_pretrained(folder)
+    assert "\n" not in str(refused.value) and "--trust-model-code" in str(refused.value)
+    assert not mark.exists()
+    loaded = GEARS(plain, device="cpu").load_pretrained(folder, trust_code=True)
+    assert mark.exists() and type(loaded.model).__name__ == "Evil"
+
+
+def test_a_model_folders_impl_names_only_its_own_file_checked_before_any_import(
+    plain, tmp_path, monkeypatch
+):
+    """An absolute path, a `..` path or another module named by a folder's config.json was
+    imported (even with no file in the folder): now refused before anything is imported, with
+    trust_code or without; the built-in networks and gears.model's classes still load."""
+    mark = tmp_path / "ran"
+    outside = tmp_path / "elsewhere" / "y.py"
+    (tmp_path / "mods").mkdir()
+    (tmp_path / "mods" / "gears_test_marking_module.py").write_text(
+        MARKING_FORK.format(mark=str(mark))
+    )
+    monkeypatch.syspath_prepend(str(tmp_path / "mods"))
+    cases = {
+        f"{outside}:Evil": "no file y.py",
+        "../elsewhere/y.py:Evil": "no file y.py",
+        "gears_test_marking_module:Evil": "names the module 'gears_test_marking_module'",
+        "os:system": "names the module 'os'",
+        "x.py:Evil;": "not a class name",
+        "gears.model.no_such_module:Evil": r"config\.json\): cannot import",
+    }
+    for k, (impl, message) in enumerate(cases.items()):
+        folder = _folder_naming(plain, tmp_path / f"m{k}", impl, outside, mark)
+        for trust in (False, True):
+            with pytest.raises(GearsInputError, match=message):
+                GEARS(plain, device="cpu").load_pretrained(folder, trust_code=trust)
+            assert not mark.exists(), impl
+    assert "gears_test_marking_module" not in sys.modules
+    for impl, cls in {
+        "fast": "GEARSNet",
+        "gears.model.reference:GEARSReference": "GEARSReference",
+    }.items():
+        folder = _folder_naming(plain, tmp_path / impl, impl, None, mark)
+        assert type(GEARS(plain, device="cpu").load_pretrained(folder).model).__name__ == cls
+
+
+@pytest.mark.parametrize(
+    "source, error",
+    [
+        ("from gears.model.network import GEARSNet\nclass Net(GEARSNet)\n    pass\n", "line 2"),
+        ("import gears_no_such_module_here\n", "line 1: ModuleNotFoundError"),
+        ("x = 1\nraise RuntimeError('not ready')\n", "line 2: RuntimeError: not ready"),
+    ],
+    ids=["syntax", "missing_import", "raise"],
+)
+def test_a_fork_that_fails_to_import_is_one_line_naming_file_and_line(tmp_path, source, error):
+    fork = tmp_path / "broken_fork.py"
+    fork.write_text(source)
+    with pytest.raises(GearsInputError, match=rf"broken_fork\.py.*{error}") as refused:
+        network_class(f"{fork}:Net")
+    assert "\n" not in str(refused.value)
+
+
+def test_a_fork_imports_a_module_beside_it_and_its_folder_keeps_both(plain, tmp_path):
+    """`from my_layers import Scale` beside the fork failed (ModuleNotFoundError); now it
+    imports, save_model copies the module into the model folder, and the folder loads with
+    the originals gone."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "gears_test_layers.py").write_text("SCALE = 2.0\n")
+    (src / "gears_test_unused.py").write_text("raise RuntimeError('never imported')\n")
+    (src / "sibling_fork.py").write_text(
+        "from gears_test_layers import SCALE\n"
+        "from gears.model.reference import GEARSReference\n\n\n"
+        "class Net(GEARSReference):\n"
+        "    def cell_embedding(self, cells):\n"
+        "        return super().cell_embedding(cells) * SCALE\n"
+    )
+    model = _model(plain, f"{src / 'sibling_fork.py'}:Net")
+    model.save_model(tmp_path / "model")
+    saved = sorted(p.name for p in (tmp_path / "model").glob("*.py"))
+    assert saved == ["gears_test_layers.py", "sibling_fork.py"]
+    want = model.predict_changes([[str(plain.pert_names[2])]])[0]
+    shutil.rmtree(src)
+    sys.modules.pop("gears_test_layers", None)
+    loaded = GEARS(plain, device="cpu").load_pretrained(tmp_path / "model", trust_code=True)
+    got = loaded.predict_changes([[str(plain.pert_names[2])]])[0]
+    np.testing.assert_array_equal(got, want)

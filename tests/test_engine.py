@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import gc
 import json
+import os
 import signal
 import subprocess
 import weakref
@@ -442,6 +443,38 @@ def test_gi_predict_returns_gears_keys(tiny):
     scores = model.GI_predict(genes)
     for key in ("c1", "c2", "mag", "dcor", "corr_fit", "dominance", "eq_contr"):
         assert np.isfinite(scores[key]) or key == "dominance", key
+
+
+class _MakesADirectory:
+    """Unpickled, it calls os.mkdir(path): a stand-in for any command a pickle can run."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return os.mkdir, (self.path,)
+
+
+def test_gi_predict_reads_its_gene_file_without_unpickling(tiny, tmp_path):
+    """GI_predict read GI_genes_file with np.load(allow_pickle=True): a crafted .npy ran what
+    its pickle named. Now an object array is one line naming the file, nothing runs; a .npy of
+    strings and a text file (one gene a line) both give the same scores."""
+    model = build(tiny)
+    genes = list(tiny.pert_names[:2])
+    some = [str(g) for g in tiny.gene_names[:8]]
+    crafted = tmp_path / "genes.npy"
+    mark = tmp_path / "ran"
+    np.save(crafted, np.array([_MakesADirectory(str(mark)), *some], dtype=object))
+    with pytest.raises(GearsInputError, match=r"genes\.npy.*(object|pickle)") as refused:
+        model.GI_predict(genes, str(crafted))
+    assert "\n" not in str(refused.value) and not mark.exists()
+    np.save(tmp_path / "names.npy", np.array(some))
+    (tmp_path / "names.txt").write_text("\n".join(some) + "\n")
+    # (a fresh model per call: a predict on an untrained model moves its batch-norm statistics)
+    from_npy = build(tiny).GI_predict(genes, str(tmp_path / "names.npy"))
+    from_text = build(tiny).GI_predict(genes, str(tmp_path / "names.txt"))
+    assert json.dumps(from_npy) == json.dumps(from_text)
+    assert json.dumps(from_npy) != json.dumps(build(tiny).GI_predict(genes))
 
 
 def _run_cli(out_dir: Path, data_dir: Path, *extra: str, env=None) -> subprocess.CompletedProcess:

@@ -3,6 +3,8 @@ loss axis reads as plain numbers."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import matplotlib.pyplot as plt
 import numpy as np
 import pytest
@@ -85,3 +87,70 @@ def test_an_unobserved_perturbation_says_so(tiny):
         assert ax.get_xlabel() == "the 20 genes with the largest predicted change"
     finally:
         plt.close(fig)
+
+
+def test_a_condition_named_like_a_path_plots_inside_out_dir_plots(tmp_path):
+    """The run's example plots were named by their condition: a perturbed gene named
+    ../../../x/NAME wrote its plot outside out_dir. Every name now lands in out_dir/plots, one
+    file each (names that clean to the same text stay apart)."""
+    from gears.run import plot_examples
+
+    out = tmp_path / "a" / "b" / "c" / "run"
+    units = [
+        ("../../../x/NAME+ctrl", {}),
+        ("/abs/G1+ctrl", {}),
+        ("..+ctrl", {}),
+        ("G2\x00+ctrl", {"context": "../line"}),
+        ("G3+ctrl", {"context": "A172"}),
+        ("G4+G5", {}),
+    ]
+
+    class Model:
+        def test_units(self):
+            return units
+
+        def plot_perturbation(self, cond, save_file, values):
+            Path(save_file).parent.mkdir(parents=True, exist_ok=True)
+            Path(save_file).write_text(cond)
+
+    plot_examples(Model(), out, len(units))
+    written = sorted(p for p in tmp_path.rglob("*") if p.is_file())
+    assert all(p.parent == out / "plots" for p in written), written
+    assert len(written) == len(units)
+    names = {p.name for p in written}
+    assert {"G3_ctrl_A172.png", "G4_G5.png"} <= names  # plain names are kept as they were
+
+
+def test_a_run_whose_genes_are_named_like_paths_plots_inside_out_dir_plots(tmp_path):
+    """The whole run on the hand-made screen with its perturbed genes renamed ../../../x/NAME..:
+    its example plots were written to out_dir/../../x/ (seen: a/b/x/NAMEG02_ctrl.png); now
+    every plot is in out_dir/plots."""
+    import torch
+    from helpers import GENES, tiny_gene2go, tiny_screen, write_gene2go
+
+    from gears.config import load_config
+    from gears.data.pertdata import PertData
+    from gears.distributed import DistEnv
+    from gears.run import run
+
+    names = {g: f"../../../x/NAME{g}" for g in ("G00", "G01", "G02", "G03")}
+
+    def rename(text: str) -> str:
+        for gene, name in names.items():
+            text = text.replace(gene, name)
+        return text
+
+    adata = tiny_screen()
+    adata.var_names = [names.get(g, g) for g in GENES]
+    adata.obs["condition"] = [rename(c) for c in adata.obs["condition"]]
+    go = {names.get(g, g): terms for g, terms in tiny_gene2go().items()}
+    pert_data = PertData(tmp_path / "data", gene2go=write_gene2go(tmp_path / "go.tsv", go))
+    pert_data.new_data_process("tiny", adata, write=False)
+    pert_data.prepare_split("simulation", seed=1)
+    assert any("/" in c for c in pert_data.set2conditions["test"])
+    out = tmp_path / "a" / "b" / "c" / "run"
+    overrides = [f"out_dir={out}", "train.epochs=1", "model.hidden_size=8", "wandb.mode=disabled"]
+    cfg = load_config(None, [*overrides, "device=cpu", "train.plot_conditions=10"])
+    run(cfg, DistEnv(device=torch.device("cpu")), pert_data)
+    plots = sorted(tmp_path.rglob("*.png"))
+    assert len(plots) > 1 and all(p.parent == out / "plots" for p in plots), plots

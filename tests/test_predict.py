@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -544,3 +545,50 @@ def test_control_cells_are_their_own_raw_counts_under_every_sampler(vcc_run, tmp
     expected = _dense(raw[names, _genes(vcc_run)].X)
     assert expected.sum() > 0
     np.testing.assert_array_equal(X[control], expected)
+
+
+def test_a_model_folders_own_code_runs_only_with_trust_model_code(vcc_run, tmp_path, capsys):
+    """predict.py --model FOLDER whose config.json names x.py:Evil beside an x.py ran x.py
+    (exit 0, nothing said): now one line naming the file and --trust-model-code, nothing runs;
+    with the flag the folder's code loads and predicts."""
+    folder = tmp_path / "model"
+    shutil.copytree(vcc_run["model"], folder)
+    mark = tmp_path / "ran"
+    (folder / "x.py").write_text(
+        f"from pathlib import Path\n\nfrom gears.model.network import GEARSNet\n\n"
+        f"Path({str(mark)!r}).write_text('ran')\n\n\nclass Evil(GEARSNet):\n    pass\n"
+    )
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "impl": "x.py:Evil"}))
+    labels, _ = _perturbations(vcc_run)
+    out = tmp_path / "p.h5ad"
+    argv = ["--model", str(folder), "--perturbations", labels[0], "--out", str(out)]
+    code, err = _run_cli(argv, capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert str(folder / "x.py") in err and "--trust-model-code" in err
+    assert not mark.exists() and not out.exists()
+    with pytest.raises(Exception, match="trust"):
+        load_model(folder)
+    assert not mark.exists()
+    predict_main([*argv, "--trust-model-code"])
+    assert mark.exists() and out.is_file()
+
+
+def test_a_runs_context_index_names_only_folders_inside_the_run(tmp_path):
+    """predict.py --model RUN read each context's model from the folder contexts.json names:
+    an edited index sent it to any folder (`../elsewhere/model`, an absolute path). Now a
+    folder outside the run is one line naming the index; the run's own folders still count."""
+    from gears.errors import GearsInputError
+    from predict import model_folders
+
+    run = tmp_path / "run"
+    run.mkdir()
+    index = run / "contexts.json"
+    for outside in ("../elsewhere/model", str(tmp_path / "elsewhere" / "model"), "a/../../x"):
+        index.write_text(json.dumps({"contexts": {"lineA": outside}}))
+        with pytest.raises(GearsInputError, match="contexts.json.*outside"):
+            model_folders(run, tmp_path / "p.h5ad")
+    index.write_text(json.dumps({"contexts": {"lineA": "lineA/model"}}))
+    assert model_folders(run, tmp_path / "p.h5ad") == [
+        (run / "lineA" / "model", tmp_path / "p_lineA.h5ad")
+    ]

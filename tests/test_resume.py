@@ -137,3 +137,21 @@ def test_one_out_dir_one_run(tmp_path):
     assert metrics_without_timing(run) == metrics_without_timing(tmp_path / "reference")
     config = yaml.safe_load((run / "config.yaml").read_text())
     assert (config["seed"], config["train"]["epochs"], config["train"]["log_every"]) == (2, 3, 2)
+
+
+def test_a_resume_with_a_changed_fork_file_is_refused_naming_it(tmp_path):
+    """Only the model.impl string was compared: a fork file edited between the checkpoint and
+    the resume continued the run with other code. Now its content (sha256) is part of the
+    run's fingerprint; the unchanged file resumes."""
+    fork = tmp_path / "my_fork.py"
+    source = "from gears.model.network import GEARSNet\n\n\nclass Net(GEARSNet):\n    pass\n"
+    fork.write_text(source)
+    run, data = tmp_path / "run", tmp_path / "data"
+    args = (f"model.impl={fork}:Net", "train.epochs=1", "train.schedule=step")
+    _ok(_train(run, data, *args))
+    fork.write_text(source + "    # edited after the checkpoint\n")
+    line = _one_error_line(_train(run, data, *args, "train.epochs=2", "train.resume=true"))
+    assert "cannot resume" in line and "my_fork.py sha256:" in line, line
+    fork.write_text(source)
+    resumed = _ok(_train(run, data, *args, "train.epochs=2", "train.resume=true"))
+    assert "resumed from" in resumed.stdout
