@@ -94,20 +94,30 @@ def parse_args(argv=None):
 
 def model_folders(model: Path, out: Path) -> list[tuple[Path, Path]]:
     """(model folder, output file) pairs: one for a model folder; for a run with one model per
-    context (its contexts.json), each context's model and <out stem>_<context>.h5ad."""
-    from gears.contexts import SUMMARY_FILE
+    context (its contexts.json), each context's model and <out stem>_<folder>.h5ad, where
+    folder is the context's safe name (gears.contexts.context_folder, as the run's folders)."""
+    from gears.contexts import SUMMARY_FILE, context_folders
 
     index = model / SUMMARY_FILE
     if not index.is_file():
         return [(model, out)]
     try:
         contexts = json.loads(index.read_text())["contexts"]
-    except (ValueError, KeyError, TypeError):
+        contexts = {str(name): str(folder) for name, folder in contexts.items()}
+    except (ValueError, KeyError, TypeError, AttributeError):
         raise GearsInputError(f"{index} is damaged; it lists a run's contexts") from None
-    return [
-        (model / folder, out.with_name(f"{out.stem}_{Path(folder).parent.name}{out.suffix}"))
-        for folder in contexts.values()
-    ]
+    names = context_folders(contexts)
+    root = model.resolve()
+    pairs = []
+    for name, folder in contexts.items():
+        path = model / folder
+        if not path.resolve().is_relative_to(root) or path.resolve() == root:
+            raise GearsInputError(
+                f"{index} lists context {name!r} at {folder!r}, outside the run's folder "
+                f"{model}; a run writes each context's model under it: train the run again"
+            )
+        pairs.append((path, out.with_name(f"{out.stem}_{names[name]}{out.suffix}")))
+    return pairs
 
 
 def main(argv=None):
