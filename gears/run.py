@@ -190,6 +190,8 @@ def run(cfg: Config, env: DistEnv, pert_data=None, later: list | None = None) ->
     receives the optional outputs as a callable (-> the updated results) instead of running
     them (gears.contexts runs every context's once every model is written)."""
     check_before_the_run(cfg)
+    if env.is_main:  # rank 0 alone logs to wandb
+        check_wandb_login(cfg)
     folder = claim_run_folder(cfg, env)
     try:
         return _run(cfg, env, pert_data, later)
@@ -224,6 +226,31 @@ def check_before_the_run(cfg: Config) -> None:
 
         require_cell_eval2()
         require_scorable(cfg, network, one_model_per_context(cfg))
+
+
+def check_wandb_login(cfg: Config) -> None:
+    """wandb.mode=online needs a W&B API key on this machine (WANDB_API_KEY, an identity
+    token file, or `wandb login`'s netrc entry); without one wandb.init fails after the run's
+    folder is written: say so before anything is written. Reads no network."""
+    import netrc
+    from urllib.parse import urlparse
+
+    if cfg.wandb.mode != "online":
+        return
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    path = Path(os.environ.get("NETRC", Path.home() / ".netrc")).expanduser()
+    try:
+        if path.is_file() and netrc.netrc(str(path)).authenticators(host or ""):
+            return
+    except (OSError, netrc.NetrcParseError):
+        pass
+    raise GearsInputError(
+        f"wandb.mode=online needs a W&B API key and none is set (no WANDB_API_KEY, no entry "
+        f"for {host} in {path}): run `wandb login` or export WANDB_API_KEY=..., or set "
+        "wandb.mode=offline (sync later with `wandb sync`) or wandb.mode=disabled"
+    )
 
 
 def _run(cfg: Config, env: DistEnv, pert_data=None, later: list | None = None) -> dict | None:
