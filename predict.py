@@ -120,6 +120,26 @@ def model_folders(model: Path, out: Path) -> list[tuple[Path, Path]]:
     return pairs
 
 
+def check_counts_contexts(model: Path, counts: str | None) -> None:
+    """A --counts file with a context column must name only contexts the run has a model of
+    (each context's model reads its own rows): any other row would be left unpredicted."""
+    from gears.contexts import SUMMARY_FILE
+    from gears.predict import counts_contexts
+
+    index = model / SUMMARY_FILE
+    if counts is None or not index.is_file():
+        return
+    info = json.loads(index.read_text())
+    listed = counts_contexts(counts, info.get("context_key"))
+    unknown = sorted(listed - set(info["contexts"])) if listed else []
+    if unknown:
+        raise GearsInputError(
+            f"--counts file {counts} lists context(s) {unknown[:20]} that the run {model} has "
+            f"no model of (its contexts: {sorted(info['contexts'])[:20]}); remove those rows, "
+            "or predict them with a run trained on those contexts"
+        )
+
+
 def main(argv=None):
     from gears.predict import (
         MAX_CELLS_PER_PERTURBATION,
@@ -153,6 +173,7 @@ def main(argv=None):
             f"{MAX_PREDICTED_CELLS:,}"
         )
     targets = model_folders(Path(args.model), out)
+    check_counts_contexts(Path(args.model), args.counts)
     for _, target in targets:
         check_output_path(target)
     preds = {}
@@ -189,6 +210,12 @@ def predict_one(args, folder: Path, out: Path):
             n_control = counts[control_label]
         counts.pop(control_label, None)
         labels = read_perturbations(args.perturbations) if args.perturbations else list(counts)
+        if not labels:
+            where = f" for context {info['context']!r}" if info.get("context") else ""
+            raise GearsInputError(
+                f"--counts file {args.counts} lists no perturbation{where}, only "
+                f"{control_label!r} rows; add the perturbations to predict there"
+            )
         missing = [p for p in labels if p not in counts]
         if missing:
             raise GearsInputError(f"--counts has no row for {missing[:20]}")

@@ -621,3 +621,23 @@ def test_contexts_named_dot_and_dotdot_stay_inside_out_dir(files, tmp_path):
         predict_main(
             ["--model", str(out), "--perturbations", gene, "--out", str(tmp_path / "q.h5ad")]
         )
+
+
+@pytest.mark.slow
+def test_a_counts_file_naming_another_context_or_only_controls_is_named(run2026, files, tmp_path):
+    """A counts CSV row for a context the run has no model of was skipped without a word; a
+    context with only control rows crashed in the network (a reshape of 0 elements)."""
+    request = pd.read_csv(files["counts"])
+    extra = request[request["cell_line"] == "lineA"].assign(cell_line="lineC")
+    path = tmp_path / "three_lines.csv"
+    pd.concat([request, extra]).to_csv(path, index=False)
+    argv = ["--model", str(run2026["out"]), "--out", str(tmp_path / "p.h5ad")]
+    with pytest.raises(GearsInputError, match=r"lists context\(s\) \['lineC'\].*no model"):
+        predict_main([*argv, "--counts", str(path)])
+    assert not list(tmp_path.glob("p_*.h5ad")), "refused before predicting any context"
+    control_row = request.iloc[[0]].assign(cell_line="lineB", target=CONTROL)
+    only_controls = pd.concat([request[request["cell_line"] == "lineA"], control_row])
+    path = tmp_path / "controls_only.csv"
+    only_controls.to_csv(path, index=False)
+    with pytest.raises(GearsInputError, match=r"no perturbation for context 'lineB'.*only"):
+        predict_main([*argv, "--counts", str(path)])
