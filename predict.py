@@ -102,28 +102,50 @@ def parse_args(argv=None):
 
 def model_folders(model: Path, out: Path) -> list[tuple[Path, Path]]:
     """(model folder, output file) pairs: one for a model folder; for a run with one model per
-    context (its contexts.json), each context's model and <out stem>_<context>.h5ad."""
-    from gears.contexts import SUMMARY_FILE
+    context (its contexts.json), each context's model and <out stem>_<folder>.h5ad, where
+    folder is the context's safe name (gears.contexts.context_folder, as the run's folders)."""
+    from gears.contexts import SUMMARY_FILE, context_folders
 
     index = model / SUMMARY_FILE
     if not index.is_file():
         return [(model, out)]
     try:
         contexts = json.loads(index.read_text())["contexts"]
-    except (ValueError, KeyError, TypeError):
+        contexts = {str(name): str(folder) for name, folder in contexts.items()}
+    except (ValueError, KeyError, TypeError, AttributeError):
         raise GearsInputError(f"{index} is damaged; it lists a run's contexts") from None
+    names = context_folders(contexts)
+    root = model.resolve()
     pairs = []
-    for folder in contexts.values():
-        # (an edited index must not send predict.py, or --trust-model-code, to other folders)
-        parts = Path(str(folder)).parts
-        if not isinstance(folder, str) or Path(folder).is_absolute() or ".." in parts:
+    for name, folder in contexts.items():
+        path = model / folder
+        if not path.resolve().is_relative_to(root) or path.resolve() == root:
             raise GearsInputError(
-                f"{index} names the model folder {folder!r}, outside {model}: it lists only the "
-                "run's own context folders; it was edited or damaged, restore it from the run"
+                f"{index} lists context {name!r} at {folder!r}, outside the run's folder "
+                f"{model}; a run writes each context's model under it: train the run again"
             )
-        name = Path(folder).parent.name
-        pairs.append((model / folder, out.with_name(f"{out.stem}_{name}{out.suffix}")))
+        pairs.append((path, out.with_name(f"{out.stem}_{names[name]}{out.suffix}")))
     return pairs
+
+
+def check_counts_contexts(model: Path, counts: str | None) -> None:
+    """A --counts file with a context column must name only contexts the run has a model of
+    (each context's model reads its own rows): any other row would be left unpredicted."""
+    from gears.contexts import SUMMARY_FILE
+    from gears.predict import counts_contexts
+
+    index = model / SUMMARY_FILE
+    if counts is None or not index.is_file():
+        return
+    info = json.loads(index.read_text())
+    listed = counts_contexts(counts, info.get("context_key"))
+    unknown = sorted(listed - set(info["contexts"])) if listed else []
+    if unknown:
+        raise GearsInputError(
+            f"--counts file {counts} lists context(s) {unknown[:20]} that the run {model} has "
+            f"no model of (its contexts: {sorted(info['contexts'])[:20]}); remove those rows, "
+            "or predict them with a run trained on those contexts"
+        )
 
 
 def main(argv=None):
@@ -159,6 +181,7 @@ def main(argv=None):
             f"{MAX_PREDICTED_CELLS:,}"
         )
     targets = model_folders(Path(args.model), out)
+    check_counts_contexts(Path(args.model), args.counts)
     for _, target in targets:
         check_output_path(target)
     preds = {}
@@ -200,6 +223,12 @@ def predict_one(args, folder: Path, out: Path):
             n_control = counts[control_label]
         counts.pop(control_label, None)
         labels = read_perturbations(args.perturbations) if args.perturbations else list(counts)
+        if not labels:
+            where = f" for context {info['context']!r}" if info.get("context") else ""
+            raise GearsInputError(
+                f"--counts file {args.counts} lists no perturbation{where}, only "
+                f"{control_label!r} rows; add the perturbations to predict there"
+            )
         missing = [p for p in labels if p not in counts]
         if missing:
             raise GearsInputError(f"--counts has no row for {missing[:20]}")

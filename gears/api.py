@@ -422,6 +422,12 @@ class GEARS:
         genes = np.arange(len(self.gene_list))
         if wanted is not None:
             genes = np.array([i for i, g in enumerate(self.gene_list) if g in wanted])
+            if genes.size == 0:
+                raise GearsInputError(
+                    f"GI_genes_file {GI_genes_file}: none of its {len(wanted)} gene(s) is a "
+                    f"gene of this model (e.g. {sorted(wanted)[:5]}); list genes the model "
+                    f"measures (e.g. {list(self.gene_list[:5])}), or pass GI_genes_file=None"
+                )
         ctrl = self._control_mean(covariates)
         first, second, double = (
             pred[k][genes] - ctrl[genes] for k in (combo[0], combo[1], f"{combo[0]}_{combo[1]}")

@@ -39,11 +39,88 @@ def one_model_per_context(cfg) -> bool:
     return not reads_context(network_class(cfg.model.impl))
 
 
-def context_folder(name: str) -> str:
-    """A context's run folder under out_dir."""
-    from gears.data.pertdata import _safe_name
+# What out_dir holds beside the contexts' folders: a context never takes one of these names.
+SUMMARY_NAMES = (
+    "config.yaml",
+    "metrics.json",
+    SUMMARY_FILE,
+    "model",
+    "checkpoints",
+    "plots",
+    "cell_eval",
+    "cell_eval2",
+    "wandb",
+)
 
-    return _safe_name(name)
+
+def context_folder(name: str) -> str:
+    """A context's run folder under out_dir, and its part of file names (predict.py's
+    <out stem>_<folder>.h5ad): letters, digits, '.', '_' and '-' (others become '_'), never
+    starting with '.' (so never '.' or '..', nor hidden), never a summary's name (SUMMARY_NAMES:
+    prefixed 'context_')."""
+    import re
+
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", str(name).strip())
+    safe = re.sub(r"^\.+", lambda m: "_" * len(m.group()), safe) or "context"
+    if safe.casefold() in {n.casefold() for n in SUMMARY_NAMES}:
+        safe = f"context_{safe}"
+    return safe
+
+
+def context_folders(contexts) -> dict[str, str]:
+    """context -> context_folder(context), or a GearsInputError naming every pair of contexts
+    that would share a folder (also where case alone differs: some file systems ignore it)."""
+    folders = {name: context_folder(name) for name in contexts}
+    seen: dict[str, str] = {}
+    clashes = []
+    for name, folder in folders.items():
+        other = seen.setdefault(folder.casefold(), name)
+        if other != name:
+            clashes.append(f"{other!r} and {name!r} (both {folder!r})")
+    if clashes:
+        raise GearsInputError(
+            f"contexts {'; '.join(clashes)} become the same folder and file name; rename one "
+            "of each pair in the data's context column so that they differ in letters or digits"
+        )
+    return folders
+
+
+def check_splittable(cfg, pert_data, contexts) -> None:
+    """Split each context's conditions as its view will (cfg.split), before any context
+    trains: a context that cannot be split is named now, not after the others have trained."""
+    from gears.data import splits
+    from gears.data.conditions import CTRL
+
+    if pert_data.cell_context is None or pert_data.cell_condition is None:
+        return
+    split = cfg.split
+    conditions = np.asarray(pert_data.conditions, dtype=object)
+    for name in contexts:
+        rows = pert_data.cell_context == contexts.index(name)
+        counts = np.bincount(pert_data.cell_condition[rows], minlength=len(conditions))
+        kept = sorted({str(c) for c in conditions[counts >= 2]} | {CTRL})
+        try:
+            split_dict = None
+            if split.type == "custom":
+                if split.split_dict_path is None:
+                    return  # said by the view's own prepare_split
+                split_dict = splits.load_split_dict(split.split_dict_path, kept)
+            splits.make_split(
+                kept,
+                split.type,
+                split_dict=split_dict,
+                seed=split.seed,
+                train_gene_set_size=split.train_gene_set_size,
+                combo_seen2_train_frac=split.combo_seen2_train_frac,
+                test_size=split.test_size,
+                val_size=split.val_size,
+            )
+        except GearsInputError as e:
+            raise GearsInputError(
+                f"context {name!r} ({len(kept) - 1} perturbation(s)) cannot be split, so no "
+                f"context was trained: {e}. Leave it out (data.subset), or choose a split.type "
+                "every context can take"
+            ) from None
 
 
 def run_contexts(cfg, env, pert_data, *, load, prepare, run_one) -> dict | None:
@@ -84,28 +161,46 @@ def run_contexts(cfg, env, pert_data, *, load, prepare, run_one) -> dict | None:
             "each, one after another",
             flush=True,
         )
-    per_context = {}
+    folders = context_folders(contexts)  # before any context trains
+    check_splittable(cfg, pert_data, contexts)
+    per_context, later = {}, []
     for name in contexts:
         sub = copy.deepcopy(cfg)
-        sub.out_dir = str(out / context_folder(name))
+        sub.out_dir = str(out / folders[name])
         if env.is_main:
             print(f"\n=== context {name!r} -> {sub.out_dir}", flush=True)
         view = prepare(pert_data.context_view(name), sub)
-        per_context[name] = run_one(sub, env, pert_data=view)
+        mine: list = []
+        per_context[name] = run_one(sub, env, pert_data=view, later=mine)
+        later.append((name, mine))
     if not env.is_main:
         return None
+    # Every context's model and metrics.json are written, and now the summary: the optional
+    # outputs (plots, cell-eval, cell-eval2) come after, and rewrite it with their scores.
+    summary = _write_summary(cfg, out, per_context, folders)
+    if any(mine for _, mine in later):
+        for name, mine in later:
+            if env.is_main:
+                print(f"\n=== context {name!r}: plots and scores", flush=True)
+            for optional_outputs in mine:
+                per_context[name] = optional_outputs()
+        summary = _write_summary(cfg, out, per_context, folders)
+    print_contexts_table(summary)
+    print(f"\nwrote {out}/ (metrics.json, {SUMMARY_FILE}, one folder per context)", flush=True)
+    return summary
+
+
+def _write_summary(cfg, out: Path, per_context: dict, folders: dict[str, str]) -> dict:
     summary = summarize(cfg.data.context_key, per_context)
-    summary["folders"] = {name: context_folder(name) for name in contexts}
+    summary["folders"] = dict(folders)
     text = json.dumps(summary, indent=1)
     ckpt.atomic_write(out / "metrics.json", lambda tmp: tmp.write_text(text))
     index = {
         "context_key": cfg.data.context_key,
-        "contexts": {name: f"{context_folder(name)}/model" for name in contexts},
+        "contexts": {name: f"{folders[name]}/model" for name in per_context},
     }
     index_text = json.dumps(index, indent=1)
     ckpt.atomic_write(out / SUMMARY_FILE, lambda tmp: tmp.write_text(index_text))
-    print_contexts_table(summary)
-    print(f"\nwrote {out}/ (metrics.json, {SUMMARY_FILE}, one folder per context)", flush=True)
     return summary
 
 
@@ -129,17 +224,29 @@ def summarize(context_key: str, per_context: dict[str, dict]) -> dict:
     names = sorted({b for c in contexts.values() for b in c["baselines"]})
     for b in names:
         mean["baselines"][b] = _mean_of([c["baselines"].get(b, {}) for c in contexts.values()])
-    scored = [c["cell_eval2"] for c in contexts.values() if "cell_eval2" in c]
+    # A context whose scoring failed holds {"error": why} and is left out of the mean.
+    scored = {
+        n: c["cell_eval2"] for n, c in contexts.items() if "predictors" in c.get("cell_eval2", {})
+    }
     if scored:
         mean["cell_eval2"] = {}
-        predictors = sorted({p for s in scored for p in s["predictors"]})
+        predictors = sorted({p for s in scored.values() for p in s["predictors"]})
         for p in predictors:
-            rows = [s["predictors"][p] for s in scored if p in s["predictors"]]
+            # a predictor cell-eval2 could not score in a context holds no score there
+            used = {
+                n: s["predictors"][p]
+                for n, s in scored.items()
+                if s["predictors"].get(p, {}).get("score") is not None
+            }
+            rows = list(used.values())
+            if not rows:
+                continue
             mean["cell_eval2"][p] = {
                 "scaled": _mean_of([r["scaled"] for r in rows]),
                 "raw": _mean_of([r["raw"] for r in rows]),
                 "score": _mean_of([{"score": r["score"]} for r in rows]).get("score"),
                 "n_contexts": len(rows),
+                "contexts": list(used),  # the contexts this mean is over
                 # a member unscored in a context is left out of its mean: say over how many
                 "n_contexts_scaled": {
                     m: sum(r["scaled"].get(m) is not None for r in rows) for m in rows[0]["scaled"]

@@ -31,7 +31,7 @@ from gears.errors import GearsInputError, NonFiniteLossError
 from gears.evaluate import Evaluator
 from gears.faults import FaultPlan
 from gears.model import graph_buffer_names
-from gears.model.batch import declared_covariates, predicted_expression, reads_x
+from gears.model.batch import check_output, declared_covariates, predicted_expression, reads_x
 from gears.model.losses import gears_loss
 from gears.model.rows import (  # noqa: F401 (CELL_ROWS, RepeatRows: the layouts, re-exported)
     CELL_ROWS,
@@ -405,6 +405,7 @@ class Trainer:
         # The stop / non-finite flags are read on the host every `check_every` optimizer steps:
         # every step on CPU (free), at the logging interval on GPU (a host sync each time).
         self.check_every = 1 if self.device.type == "cpu" else max(train_cfg.log_every, 1)
+        self.output_checked = False  # check_output runs at the first training step
         self.faults = FaultPlan.from_env(env.rank)  # GEARS_FAULT_KILL (tests); else inert
         self.faults.attach(self.net)
 
@@ -417,6 +418,9 @@ class Trainer:
         rows = batch_rows(batch, layout, self.covariates, self.reads_x, pad=self.cfg.compile)
         with self.autocast(), compiled_backward_as_eager(self.cfg.compile):
             out = self.model(rows.inputs)
+        if not self.output_checked:  # the network's contract, at the first step (a fork's)
+            check_output(out, self.net, rows.inputs.pert_index.shape[0], self.ctrl_mean.shape[-1])
+            self.output_checked = True
         change, logvar = cell_outputs(out, rows)
         pred = predicted_expression(change, batch.x)
         return gears_loss(

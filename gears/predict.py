@@ -178,6 +178,19 @@ MAX_CELLS_PER_PERTURBATION = 1_000_000
 MAX_PREDICTED_CELLS = 20_000_000  # obs alone would take GBs beyond this
 
 
+def counts_contexts(path: str | Path, context_key: str | None) -> set[str] | None:
+    """The contexts a --counts CSV lists (its `context_key` or `context` column), or None
+    when it has no such column (it applies to every context)."""
+    try:
+        frame = pd.read_csv(path)
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None  # read_counts says what is wrong with the file
+    column = next((c for c in (context_key, "context") if c and c in frame.columns), None)
+    if column is None:
+        return None
+    return set(frame[column].astype(str).str.strip())
+
+
 def read_counts(
     path: str | Path,
     condition_key: str,

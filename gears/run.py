@@ -176,18 +176,25 @@ def train_fit(evaluator, pert_data, pred_mean: np.ndarray) -> dict:
     return {"train_fit": fit, "train_fit_baselines": baselines}
 
 
-def run(cfg: Config, env: DistEnv, pert_data=None) -> dict | None:
+def run(cfg: Config, env: DistEnv, pert_data=None, later: list | None = None) -> dict | None:
     """Train on cfg's data, evaluate on test with baselines, write the run directory (rank 0).
 
     The run owns out_dir while it lives (gears.run_folder: a lock, and never another run's
     outputs overwritten). pert_data: this rank's data when the launcher prepared it before
     joining the group. After the test predictions are gathered every rank leaves the process
     group (`release`); the other ranks return None and rank 0 scores, runs baselines, plots and
-    writes with no collective pending, however long that takes."""
+    writes with no collective pending, however long that takes.
+
+    The model and metrics.json are written before the optional outputs (plots, cell-eval,
+    cell-eval2), and a failure in those prints one line and keeps the run. later: a list that
+    receives the optional outputs as a callable (-> the updated results) instead of running
+    them (gears.contexts runs every context's once every model is written)."""
     check_before_the_run(cfg)
+    if env.is_main:  # rank 0 alone logs to wandb
+        check_wandb_login(cfg)
     folder = claim_run_folder(cfg, env)
     try:
-        return _run(cfg, env, pert_data)
+        return _run(cfg, env, pert_data, later)
     except ckpt.CheckpointWriteError as e:
         # A full disk after the first checkpoint: this run continues from its checkpoints
         # (a plain rerun would be refused, the folder now holding them).
@@ -231,11 +238,35 @@ def plot_examples(model, out: Path, n: int) -> None:
         model.plot_perturbation(cond, out / "plots" / f"{name}.png", values)
 
 
-def _run(cfg: Config, env: DistEnv, pert_data=None) -> dict | None:
+def check_wandb_login(cfg: Config) -> None:
+    """wandb.mode=online needs a W&B API key on this machine (WANDB_API_KEY, an identity
+    token file, or `wandb login`'s netrc entry); without one wandb.init fails after the run's
+    folder is written: say so before anything is written. Reads no network."""
+    import netrc
+    from urllib.parse import urlparse
+
+    if cfg.wandb.mode != "online":
+        return
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    path = Path(os.environ.get("NETRC", Path.home() / ".netrc")).expanduser()
+    try:
+        if path.is_file() and netrc.netrc(str(path)).authenticators(host or ""):
+            return
+    except (OSError, netrc.NetrcParseError):
+        pass
+    raise GearsInputError(
+        f"wandb.mode=online needs a W&B API key and none is set (no WANDB_API_KEY, no entry "
+        f"for {host} in {path}): run `wandb login` or export WANDB_API_KEY=..., or set "
+        "wandb.mode=offline (sync later with `wandb sync`) or wandb.mode=disabled"
+    )
+
+
+def _run(cfg: Config, env: DistEnv, pert_data=None, later: list | None = None) -> dict | None:
     from gears.api import GEARS
     from gears.baselines import baseline_predictions
     from gears.engine import seed_everything
-    from gears.plotting import plot_history
 
     t_start = time.perf_counter()
     from gears.contexts import one_model_per_context, run_contexts
@@ -326,16 +357,6 @@ def _run(cfg: Config, env: DistEnv, pert_data=None) -> dict | None:
                 results["paired_control_alone"] = evaluator.full("test", pred_mean=control)[
                     "summary"
                 ]["overall"]
-            if cfg.eval.cell_eval:
-                results["cell_eval"] = cell_eval_test_scores(
-                    cfg, pert_data, model, view["conditions"], baseline_means, out
-                )
-            if cfg.eval.cell_eval2:
-                from gears.vcc2026 import test_split_scores
-
-                results["cell_eval2"] = test_split_scores(
-                    cfg, pert_data, model.model, view["conditions"], baseline_means, out
-                )
         if has_train:
             results.update(train_fit(evaluator, pert_data, train_pred))
         eval_s = time.perf_counter() - t_eval
@@ -356,33 +377,104 @@ def _run(cfg: Config, env: DistEnv, pert_data=None) -> dict | None:
             "skipped_steps": history.skipped_steps,  # fp16 GradScaler overflow skips per epoch
         }
         results["report"] = pert_data.report
+        # The model and metrics.json first: what follows (plots, cell-eval, cell-eval2) is
+        # optional, and a failure there loses none of this.
         model.save_model(out / "model")
-        plot_history(history, out / "plots" / "loss.png")
-        if has_test:
-            plot_examples(model, out, cfg.train.plot_conditions)
-        results = _clean(results)
-        text = json.dumps(results, indent=1)
-        ckpt.atomic_write(out / "metrics.json", lambda tmp: tmp.write_text(text))
+        results = _write_metrics(out, results)
         if has_test:
             from gears.report import print_table
 
             print_table(results)
-            if results.get("cell_eval"):
-                from gears.predict import print_cell_eval_table
-
-                print_cell_eval_table(results["cell_eval"])
-            if results.get("cell_eval2"):
-                from gears.vcc2026 import print_vcc2026_table
-
-                print_vcc2026_table(results["cell_eval2"])
-        print(
-            f"\nwrote {out}/ (config.yaml, metrics.json, model/, checkpoints/, plots/) in "
-            f"{results['timing']['total_s']:.1f}s",
-            flush=True,
-        )
         if wandb_run is not None:
             wandb_run.summary.update({f"test/{k}": v for k, v in results["test"].items()})
             wandb_run.finish()
+        test_conditions = evaluator.set_view("test")["conditions"] if has_test else []
+        scored_means = baseline_means if has_test else {}
+
+        def optional_outputs() -> dict:
+            return _optional_outputs(
+                cfg, out, results, model, pert_data, history, test_conditions, scored_means
+            )
+
+        if later is not None:  # the caller runs it once every context's model is written
+            later.append(optional_outputs)
+        else:
+            results = optional_outputs()
+    return results
+
+
+def _write_metrics(out: Path, results: dict) -> dict:
+    results = _clean(results)
+    text = json.dumps(results, indent=1)
+    ckpt.atomic_write(out / "metrics.json", lambda tmp: tmp.write_text(text))
+    return results
+
+
+def _optional(what: str, work):
+    """work(), or, when it raises, one printed line and {"error": why}: a trained run's optional
+    outputs never end it (its model and metrics.json are already written)."""
+    try:
+        return work()
+    except Exception as e:  # noqa: BLE001 - any failure of optional work keeps the run
+        lines = str(e).strip().splitlines()
+        why = f"{type(e).__name__}: {lines[0][:300] if lines else ''}".rstrip(": ")
+        print(
+            f"warning: {what} failed ({why}); the model and metrics.json are kept",
+            file=sys.stderr,
+            flush=True,
+        )
+        return {"error": why}
+
+
+def _optional_outputs(
+    cfg: Config, out: Path, results: dict, model, pert_data, history, conditions, baseline_means
+) -> dict:
+    """Plots, cell-eval and cell-eval2 of a run whose model and metrics.json are written (rank
+    0); each that fails prints one line. metrics.json is rewritten with the scores.
+    -> the run's results"""
+    from gears.plotting import plot_history
+
+    t0 = time.perf_counter()
+
+    def plots():
+        plot_history(history, out / "plots" / "loss.png")
+        if conditions:
+            plot_examples(model, out, cfg.train.plot_conditions)
+
+    _optional("plots", plots)
+    scored = False
+    if conditions and cfg.eval.cell_eval:
+        results["cell_eval"] = _optional(
+            "cell-eval scoring",
+            lambda: cell_eval_test_scores(cfg, pert_data, model, conditions, baseline_means, out),
+        )
+        scored = True
+    if conditions and cfg.eval.cell_eval2:
+        from gears import vcc2026
+
+        results["cell_eval2"] = _optional(
+            "cell-eval2 scoring",
+            lambda: vcc2026.test_split_scores(
+                cfg, pert_data, model.model, conditions, baseline_means, out
+            ),
+        )
+        scored = True
+    if scored:
+        results["timing"]["scoring_s"] = time.perf_counter() - t0
+        results = _write_metrics(out, results)
+        if results.get("cell_eval") and "error" not in results["cell_eval"]:
+            from gears.predict import print_cell_eval_table
+
+            print_cell_eval_table(results["cell_eval"])
+        if results.get("cell_eval2") and "error" not in results["cell_eval2"]:
+            from gears.vcc2026 import print_vcc2026_table
+
+            print_vcc2026_table(results["cell_eval2"])
+    print(
+        f"\nwrote {out}/ (config.yaml, metrics.json, model/, checkpoints/, plots/) in "
+        f"{results['timing']['total_s'] + time.perf_counter() - t0:.1f}s",
+        flush=True,
+    )
     return results
 
 

@@ -157,21 +157,49 @@ def _scoring_members(call, members: list[str], unscored: dict[str, str]):
     )
 
 
-def rescale(member: str, raw: float, baseline: float, replicate: float) -> float | None:
-    """A member's raw value on the 0 = baseline, 1 = replicate scale, with the clamps and
-    penalty shape of its cell-eval2 catalog policy (as `score --real-bundle`); None when the
-    two ends leave no usable scale."""
+def scale_problem(member: str, baseline: float, replicate: float) -> str | None:
+    """Why a member has no 0 = baseline, 1 = replicate scale on this split (cell-eval2's own
+    reason: its policy refuses the replicate as an anchor, or the two ends leave no headroom),
+    or None when it has one."""
+    return _policy(member, baseline, replicate)[1]
+
+
+def _policy(member: str, baseline: float, replicate: float):
+    """(the member's catalog policy anchored at the replicate, None) or (None, the reason)."""
     from dataclasses import replace
 
     from cell_eval2.catalog import CATALOG
-    from cell_eval2.scoring import is_degenerate, score_one
+    from cell_eval2.scoring import is_degenerate
 
-    if not (math.isfinite(baseline) and math.isfinite(replicate)):
-        return None
-    policy = replace(
-        CATALOG[member].scoring, anchor=float(replicate), allow_negative_baseline=False
-    )
+    ends = f"replicate {_num(replicate)}, mean-response baseline {_num(baseline)}"
+    if not all(v is not None and math.isfinite(float(v)) for v in (baseline, replicate)):
+        return None, f"no usable scale: an end is missing or not finite ({ends})"
+    try:
+        policy = replace(
+            CATALOG[member].scoring, anchor=float(replicate), allow_negative_baseline=False
+        )
+    except ValueError as e:  # a replicate on the wrong side of the metric's worst value
+        return None, f"no usable scale ({ends}): cell-eval2 refused the anchor: {e}"
     if is_degenerate(float(baseline), policy):
+        return None, (
+            f"no usable scale ({ends}): the replicate is not better than the baseline on this "
+            "split (cell-eval2's is_degenerate)"
+        )
+    return policy, None
+
+
+def _num(value) -> str:
+    return "None" if value is None else f"{float(value):.4g}"
+
+
+def rescale(member: str, raw: float, baseline: float, replicate: float) -> float | None:
+    """A member's raw value on the 0 = baseline, 1 = replicate scale, with the clamps and
+    penalty shape of its cell-eval2 catalog policy (as `score --real-bundle`); None when the
+    two ends leave no usable scale (scale_problem says why). Never raises for any ends."""
+    from cell_eval2.scoring import score_one
+
+    policy, _ = _policy(member, baseline, replicate)
+    if policy is None:
         return None
     value = None if raw is None or not math.isfinite(raw) else float(raw)
     return float(score_one(value, float(baseline), policy))
@@ -192,7 +220,10 @@ def score_vcc2026(
     Returns {"preset", "input_type", "cell_eval2_version", "de_backend", "members",
     "baseline": {member: b}, "replicate": {member: r}, "unscored": {member: reason},
     "n_perturbations", "predictors": {name: {"raw": {member: u}, "scaled": {member: s},
-    "score": mean of the scaled members}}}. outdir: each predictor's aggregate (agg_<name>.csv)
+    "score": mean of the scaled members, "scored_members": the members that mean is over}}}.
+    A member without a usable scale on this split (its replicate not better than the baseline,
+    too few cells or responding genes) is unscored with cell-eval2's reason, never an error.
+    outdir: each predictor's aggregate (agg_<name>.csv)
     and the baseline's and anchor's values (anchors.csv)."""
     require_cell_eval2()
     from dataclasses import replace
@@ -235,13 +266,11 @@ def score_vcc2026(
     names = metric_output_names(scored_cfg)
     scalable = []
     for m in members:
-        if rescale(m, baseline[m], baseline[m], replicate[m]) is None:
-            unscored[m] = (
-                f"no usable scale: the replicate ({replicate[m]:.4g}) is not better than the "
-                f"mean-response baseline ({baseline[m]:.4g}) on this split"
-            )
-        else:
+        problem = scale_problem(m, baseline[m], replicate[m])
+        if problem is None:
             scalable.append(m)
+        else:
+            unscored[m] = problem
     out = {
         "preset": PRESET,
         "input_type": input_type,
@@ -257,7 +286,14 @@ def score_vcc2026(
     }
     tables = {}
     for name, pred in predictions.items():
-        agg = aggregate_metrics_wide(compute_metrics(pred, real, config=scored_cfg), metrics=names)
+        try:
+            agg = aggregate_metrics_wide(
+                compute_metrics(pred, real, config=scored_cfg), metrics=names
+            )
+        except ValueError as e:  # cell-eval2 refuses this prediction: the others still count
+            why = f"cell-eval2 could not score it: {str(e).splitlines()[0][:300]}"
+            out["predictors"][name] = _unscored_predictor(why)
+            continue
         tables[name] = agg
         raw = _mean_row(agg)
         scaled = {
@@ -268,12 +304,13 @@ def score_vcc2026(
             )
             for m in MEMBERS
         }
-        kept = [v for v in scaled.values() if v is not None]
+        used = [m for m in MEMBERS if scaled[m] is not None]
         out["predictors"][name] = {
             "raw": {m: _finite(raw.get(m)) for m in MEMBERS},
             "scaled": scaled,
-            "score": float(np.mean(kept)) if kept else None,
-            "n_scored": len(kept),
+            "score": float(np.mean([scaled[m] for m in used])) if used else None,
+            "n_scored": len(used),
+            "scored_members": used,  # the members its score is the mean of
         }
     out["seconds"] = round(time.perf_counter() - t0, 1)
     if outdir is not None:
@@ -286,6 +323,17 @@ def score_vcc2026(
             "member"
         ).to_csv(outdir / "anchors.csv")
     return out
+
+
+def _unscored_predictor(why: str) -> dict:
+    return {
+        "raw": dict.fromkeys(MEMBERS),
+        "scaled": dict.fromkeys(MEMBERS),
+        "score": None,
+        "n_scored": 0,
+        "scored_members": [],
+        "error": why,
+    }
 
 
 def _finite(value) -> float | None:

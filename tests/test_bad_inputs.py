@@ -276,6 +276,102 @@ def split_file(ctx, content: dict, split: str = "custom"):
     ctx.data.prepare_split("simulation", seed=1)  # not reached; keeps the module data usable
 
 
+def gene_named_with_plus(ctx):
+    """A measured gene 'HLA+A' named by the labels of its single perturbation."""
+    adata = tiny_screen()
+    adata.var_names = ["HLA+A" if g == "G03" else g for g in adata.var_names]
+    adata.obs["condition"] = adata.obs["condition"].astype(str).replace({"G03": "HLA+A"})
+    go = write_gene2go(ctx.tmp / "go_plus.tsv", {**tiny_gene2go(), "HLA+A": {"GO:1"}})
+    PertData(ctx.tmp / "d", gene2go=go, verbose=False).new_data_process("x", adata, write=False)
+
+
+def fork_output(ctx, broken: str):
+    """One training step of a fork whose forward breaks the output contract."""
+    import copy
+
+    net = copy.deepcopy(ctx.model.model)
+
+    class BrokenFork(type(net)):
+        def forward(self, batch):
+            out = super().forward(batch)
+            out = out[0] if isinstance(out, tuple) else out
+            if broken == "genes":
+                return out[:, :-1]
+            if broken == "dtype":
+                return out.long()
+            return [out]
+
+    net.__class__ = BrokenFork
+    cfg = TrainConfig(epochs=1, batch_size=8, limit_batches=1)
+    trainer = Trainer(
+        net, ctx.data, cfg, ctx.model.model_config(), DistEnv(), out_dir=ctx.tmp / f"fork_{broken}"
+    )
+    trainer.fit(ctx.data.get_dataloader(cfg.batch_size, 16), progress=False)
+
+
+def gi_genes_file_naming_no_model_gene(ctx):
+    path = ctx.tmp / "gi_genes.npy"
+    np.save(path, np.array(["NOT_A_GENE", "NOR_THIS"]))
+    ctx.model.GI_predict(["G00", "G03"], GI_genes_file=str(path))
+
+
+def read_only_data_dir(ctx):
+    """data_dir where nothing can be written: a read-only folder (for root, who writes
+    anywhere, a folder below a file: the same OSError path)."""
+    import os
+
+    folder = ctx.tmp / "read_only"
+    folder.mkdir(exist_ok=True)
+    data_dir = folder
+    if os.geteuid() == 0:
+        (folder / "a_file").write_text("")
+        data_dir = folder / "a_file" / "data"
+    folder.chmod(0o555)
+    try:
+        PertData(data_dir, verbose=False).load(
+            "synthetic", synthetic_params={"n_genes": 30, "n_single": 8, "n_double": 0}
+        )
+    finally:
+        folder.chmod(0o755)
+
+
+def wandb_online_without_a_key(ctx):
+    import os
+
+    saved = {k: os.environ.pop(k, None) for k in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE")}
+    os.environ["NETRC"] = str(ctx.tmp / "no_netrc")
+    try:
+        run_into(ctx, ctx.tmp / "online_run", "wandb.mode=online")
+    finally:
+        os.environ.pop("NETRC")
+        os.environ.update({k: v for k, v in saved.items() if v is not None})
+
+
+def context_that_cannot_be_split(ctx):
+    """Two contexts; lineB holds controls and one perturbation: refused before lineA trains."""
+    from gears.contexts import run_contexts
+    from gears.run import split_and_graphs
+
+    adata = tiny_screen()
+    label = adata.obs["condition"].astype(str)
+    adata.obs["line"] = np.where(
+        label.isin(["control", "G00"]) & (np.arange(len(label)) % 2 == 1), "lineB", "lineA"
+    )
+    data = PertData(ctx.tmp / "d", gene2go=ctx.go, verbose=False)
+    data.new_data_process("lines", adata, write=False, context_key="line")
+    cfg = load_config(None, [f"out_dir={ctx.tmp / 'lines_run'}", "data.context_key=line"])
+    trained = []
+    run_contexts(
+        cfg,
+        DistEnv(),
+        data,
+        load=None,
+        prepare=split_and_graphs,
+        run_one=lambda cfg, env, **kw: trained.append(cfg.out_dir),
+    )
+    assert not trained, trained
+
+
 @dataclass
 class Case:
     id: str
@@ -671,6 +767,63 @@ CASES = [
         GearsInputError,
         (r"nowhere\.pt",),
         r"check the path",
+    ),
+    # ------------------------------------------------------- names, forks, services
+    Case(
+        "measured gene whose name holds '+'",
+        gene_named_with_plus,
+        GearsInputError,
+        (r"'HLA\+A' contains '\+'", r"join the two genes of a double", r"\['HLA', 'A'\]"),
+        r"rename the gene without '\+' \(e\.g\. 'HLA_A'\)",
+    ),
+    Case(
+        "fork returning the wrong gene count",
+        lambda c: fork_output(c, "genes"),
+        GearsInputError,
+        (r"BrokenFork returned shape \[\d+, 24\]",),
+        r"must return a floating-point torch\.Tensor \[rows, genes\] = \[\d+, 25\]",
+    ),
+    Case(
+        "fork returning integers",
+        lambda c: fork_output(c, "dtype"),
+        GearsInputError,
+        (r"BrokenFork returned dtype torch\.int64",),
+        r"must return a floating-point torch\.Tensor",
+    ),
+    Case(
+        "fork returning a list",
+        lambda c: fork_output(c, "list"),
+        GearsInputError,
+        (r"BrokenFork returned a list",),
+        r"must return a floating-point torch\.Tensor",
+    ),
+    Case(
+        "GI genes file naming no model gene",
+        gi_genes_file_naming_no_model_gene,
+        GearsInputError,
+        (r"gi_genes\.npy", r"none of its 2 gene", r"NOT_A_GENE"),
+        r"list genes the model measures",
+    ),
+    Case(
+        "read-only data_dir with the synthetic dataset",
+        read_only_data_dir,
+        GearsInputError,
+        (r"read_only", r"not writable|cannot write|could not write"),
+        r"data\.data_dir",
+    ),
+    Case(
+        "wandb online without an API key",
+        wandb_online_without_a_key,
+        GearsInputError,
+        (r"wandb\.mode=online", r"WANDB_API_KEY"),
+        r"wandb login.*wandb\.mode=offline",
+    ),
+    Case(
+        "context that cannot be split",
+        context_that_cannot_be_split,
+        GearsInputError,
+        (r"context 'lineB'", r"cannot be split", r"no context was trained"),
+        r"data\.subset",
     ),
     # ------------------------------------------------------------- run folders
     Case(

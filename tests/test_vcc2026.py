@@ -635,3 +635,191 @@ def test_score_vcc2026_rescales_each_member_and_averages_the_scored_ones(monkeyp
     assert scores["n_scored"] == 5
     assert scores["score"] == pytest.approx(HAND_SCORE, abs=1e-12)
     assert HAND_SCORE == pytest.approx(0.49)
+
+
+# ------------------------------------------------------------- scoring never ends a run
+def test_a_replicate_at_the_baseline_is_unscored_not_a_crash(monkeypatch):
+    """A member whose replicate anchor equals the mean-response baseline at 0.0 (a [0, 1]
+    member whose structural worst value is 0: a real 2026 screen's split gave it) made
+    cell-eval2's policy raise "metric_min (0.0) must be strictly below anchor (0.0)" out of
+    score_vcc2026. It is reported unscored with that reason; the mean names what it used."""
+    if not HAS_CELL_EVAL2:
+        pytest.skip(NO_CELL_EVAL2)
+    import cell_eval2.anchor as anchor_mod
+    import polars as pl
+
+    from gears.vcc2026 import rescale, score_vcc2026
+
+    member = "de_wilcoxon_direction_fidelity_yield_raw"
+    real, _ = make_vcc2026_layout(
+        n_genes=60,
+        n_perturbations=6,
+        cells_per_perturbation=20,
+        n_control_cells=40,
+        contexts=("lineA",),
+    )
+    real.obs = real.obs[["target"]]
+    original = anchor_mod.compute_replicate_anchor
+
+    def replicate_at_the_baseline(real, config):
+        splits, anchor = original(real, config=config)
+        at = pl.when(pl.col("metric") == member).then(0.0).otherwise(pl.col("replicate"))
+        return splits, anchor.with_columns(at.alias("replicate"))
+
+    monkeypatch.setattr(anchor_mod, "compute_replicate_anchor", replicate_at_the_baseline)
+    got = score_vcc2026({"pred": real.copy()}, real, "target", CONTROL, "counts", threads=1)
+    assert got["baseline"][member] == 0.0 and got["replicate"][member] == 0.0
+    assert "metric_min (0.0) must be strictly below anchor (0.0)" in got["unscored"][member]
+    pred = got["predictors"]["pred"]
+    assert pred["scaled"][member] is None and member not in pred["scored_members"]
+    assert pred["scored_members"] == [m for m in MEMBERS if pred["scaled"][m] is not None]
+    assert pred["score"] == pytest.approx(
+        np.mean([pred["scaled"][m] for m in pred["scored_members"]])
+    )
+    # The public rescale keeps its signature and answers None for such ends, never raises.
+    assert rescale(member, 0.3, 0.0, 0.0) is None
+    from gears.vcc2026 import scale_problem
+
+    assert "metric_min" in scale_problem(member, 0.0, 0.0)
+    assert rescale(member, 0.5, 0.0, 1.0) == pytest.approx(0.5)
+
+
+def test_scoring_that_fails_keeps_every_context_and_the_summary(
+    files, tmp_path, monkeypatch, capsys
+):
+    """Every context's model/ and metrics.json and the run's summary are written before any
+    optional scoring; a scorer that raises prints one line, and the run ends with its models."""
+    if not HAS_CELL_EVAL2:
+        pytest.skip(NO_CELL_EVAL2)
+    import gears.vcc2026
+
+    out = tmp_path / "run"
+    seen = []
+
+    def failing_scorer(cfg, pert_data, net, conditions, baseline_means, where):
+        for name in ("lineA", "lineB"):
+            assert (out / name / "model" / "model.pt").exists(), "model saved before scoring"
+            assert (out / name / "metrics.json").exists(), "metrics.json written before scoring"
+        assert (out / "metrics.json").exists(), "the run's summary written before scoring"
+        seen.append(where)
+        raise ValueError(
+            "metric_min (0.0) must be strictly below anchor (0.0) for a higher-is-better metric"
+        )
+
+    monkeypatch.setattr(gears.vcc2026, "test_split_scores", failing_scorer)
+    cfg = _config(
+        files,
+        tmp_path,
+        f"out_dir={out}",
+        "train.epochs=1",
+        "model.hidden_size=8",
+        "train.plot_conditions=0",
+        "split.train_gene_set_size=0.6",
+        "eval.cell_eval2=true",
+    )
+    summary = run(cfg, DistEnv(device=torch.device("cpu")))
+    assert len(seen) == 2
+    err = capsys.readouterr().err
+    assert err.count("cell-eval2 scoring failed") == 2, err
+    assert "Traceback" not in err
+    on_disk = json.loads((out / "metrics.json").read_text())
+    assert on_disk == json.loads(json.dumps(summary))
+    for name in ("lineA", "lineB"):
+        metrics = json.loads((out / name / "metrics.json").read_text())
+        assert metrics["test"]["n_conditions"] >= 2
+        assert "metric_min" in metrics["cell_eval2"]["error"]
+        assert "metric_min" in on_disk["contexts"][name]["cell_eval2"]["error"]
+    assert "cell_eval2" not in on_disk["mean_over_contexts"]
+
+
+# ------------------------------------------------------------ context names become paths
+def test_context_folders_are_safe_names():
+    from gears.contexts import SUMMARY_NAMES, context_folder, context_folders
+
+    for name in [".", "..", "../up", "/abs/path", "a/b", "a\\b", ".hidden", "", " ", "x" * 3]:
+        folder = context_folder(name)
+        assert folder not in (".", "..") and not folder.startswith(".")
+        assert "/" not in folder and "\\" not in folder and folder.strip(), (name, folder)
+    for summary_name in SUMMARY_NAMES:
+        assert context_folder(summary_name) != summary_name
+        assert context_folder(summary_name.upper()).casefold() != summary_name.casefold()
+    assert context_folder("lineA") == "lineA" and context_folder("K562.v2") == "K562.v2"
+    with pytest.raises(GearsInputError, match=r"'line A' and 'line/A' \(both 'line_A'\)"):
+        context_folders(["line A", "line/A"])
+    with pytest.raises(GearsInputError, match=r"'k562' and 'K562'"):
+        context_folders(["k562", "K562"])
+
+
+def _relabelled(files, tmp_path, mapping) -> str:
+    adata = ad.read_h5ad(files["training"])
+    adata.obs["cell_line"] = adata.obs["cell_line"].astype(str).map(mapping)
+    path = tmp_path / "relabelled.h5ad"
+    adata.write_h5ad(path)
+    return str(path)
+
+
+def test_contexts_that_share_a_folder_are_refused_before_training(files, tmp_path):
+    data = _relabelled(files, tmp_path, {"lineA": "line A", "lineB": "line/A"})
+    out = tmp_path / "run"
+    cfg = _config(files, tmp_path, f"data.dataset={data}", f"out_dir={out}", "train.epochs=1")
+    with pytest.raises(GearsInputError, match=r"'line A' and 'line/A' \(both 'line_A'\)"):
+        run(cfg, DistEnv(device=torch.device("cpu")))
+    assert not (out / "line_A").exists(), "no context trained"
+
+
+@pytest.mark.slow
+def test_contexts_named_dot_and_dotdot_stay_inside_out_dir(files, tmp_path):
+    """A context named '..' wrote a whole run into out_dir's parent, one named '.' into
+    out_dir itself (its summary then overwrote that context's metrics.json)."""
+    data = _relabelled(files, tmp_path, {"lineA": "..", "lineB": "."})
+    out = tmp_path / "parent" / "run"
+    cfg = _config(
+        files,
+        tmp_path,
+        f"data.dataset={data}",
+        f"out_dir={out}",
+        "train.epochs=1",
+        "model.hidden_size=8",
+        "train.plot_conditions=0",
+        "split.train_gene_set_size=0.6",
+    )
+    summary = run(cfg, DistEnv(device=torch.device("cpu")))
+    assert sorted(p.name for p in (tmp_path / "parent").iterdir()) == ["run"]
+    assert summary["folders"] == {"..": "__", ".": "_"}
+    for name, folder in summary["folders"].items():
+        metrics = json.loads((out / folder / "metrics.json").read_text())
+        assert (out / folder / "model" / "model.pt").exists()
+        assert summary["contexts"][name]["test"] == metrics["test"]
+    assert not (out / "model").exists() and not (out / "checkpoints").exists()
+    gene = sorted(set(ad.read_h5ad(data).obs["target"].astype(str)) - {CONTROL})[0]
+    preds = predict_main(
+        ["--model", str(out), "--perturbations", gene, "--out", str(tmp_path / "p.h5ad")]
+    )
+    assert sorted(p.name for p in preds) == ["p__.h5ad", "p___.h5ad"]
+    index = json.loads((out / "contexts.json").read_text())
+    index["contexts"][".."] = "../../elsewhere/model"
+    (out / "contexts.json").write_text(json.dumps(index))
+    with pytest.raises(GearsInputError, match=r"contexts\.json.*'\.\.'.*outside"):
+        predict_main(
+            ["--model", str(out), "--perturbations", gene, "--out", str(tmp_path / "q.h5ad")]
+        )
+
+
+@pytest.mark.slow
+def test_a_counts_file_naming_another_context_or_only_controls_is_named(run2026, files, tmp_path):
+    """A counts CSV row for a context the run has no model of was skipped without a word; a
+    context with only control rows crashed in the network (a reshape of 0 elements)."""
+    request = pd.read_csv(files["counts"])
+    extra = request[request["cell_line"] == "lineA"].assign(cell_line="lineC")
+    path = tmp_path / "three_lines.csv"
+    pd.concat([request, extra]).to_csv(path, index=False)
+    argv = ["--model", str(run2026["out"]), "--out", str(tmp_path / "p.h5ad")]
+    with pytest.raises(GearsInputError, match=r"lists context\(s\) \['lineC'\].*no model"):
+        predict_main([*argv, "--counts", str(path)])
+    assert not list(tmp_path.glob("p_*.h5ad")), "refused before predicting any context"
+    control_row = request.iloc[[0]].assign(cell_line="lineB", target=CONTROL)
+    only_controls = pd.concat([request[request["cell_line"] == "lineA"], control_row])
+    path = tmp_path / "controls_only.csv"
+    only_controls.to_csv(path, index=False)
+    with pytest.raises(GearsInputError, match=r"no perturbation for context 'lineB'.*only"):
+        predict_main([*argv, "--counts", str(path)])

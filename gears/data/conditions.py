@@ -117,6 +117,29 @@ def canonicalize_conditions(
     return mapped[codes]
 
 
+def refuse_joined_gene_names(
+    values: Sequence[str] | pd.Series, measured: Iterable[str], sep: str = "+"
+) -> None:
+    """A GearsInputError when a condition label names a measured gene whose own name holds the
+    separator (e.g. 'HLA+A'): GEARS joins the two genes of a double with it, and would read
+    the label as a double (or triple) of the name's halves."""
+    joined = [g for g in map(str, measured) if sep in g]
+    if not joined:
+        return
+    labels = pd.unique(pd.Series(np.asarray(values, dtype=object)).astype(str).str.strip())
+    for label in labels:
+        padded = f"{sep}{label}{sep}"
+        hits = [g for g in joined if f"{sep}{g}{sep}" in padded]
+        if hits:
+            parts = [p.strip() for p in label.split(sep)]
+            raise GearsInputError(
+                f"measured gene {hits[0]!r} contains {sep!r}, which GEARS uses to join the two "
+                f"genes of a double: condition {label!r} would be read as the genes {parts}; "
+                f"rename the gene without {sep!r} (e.g. {hits[0].replace(sep, '_')!r}) in "
+                "var_names, in the condition labels and in the GO source"
+            )
+
+
 def condition_genes(condition: str) -> list[str]:
     """Genes a canonical condition perturbs: `ctrl` -> [], `A+ctrl` -> [A], `A+B` -> [A, B]."""
     return [g for g in condition.split("+") if g != CTRL]

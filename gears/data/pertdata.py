@@ -21,6 +21,7 @@ from gears.data.conditions import (
     control_like_genes,
     detect_condition_key,
     genes_of,
+    refuse_joined_gene_names,
 )
 from gears.data.loaders import EpochLoader, ExampleSet, ExpressionMatrix, eval_loader, train_loader
 from gears.data.stream import not_counts_error
@@ -328,13 +329,21 @@ class PertData:
                 tag = "_".join(f"{k}{v}" for k, v in sorted(params.items())) or "default"
                 path = self.data_dir / "synthetic" / f"gene2go_{tag}.tsv.gz"
                 if not path.exists():  # rank 0 writes it; the others find it (no write at all)
-                    from gears.checkpoint import atomic_write
+                    from gears.checkpoint import CheckpointWriteError, atomic_write
 
                     # Whole or absent, even with two runs sharing data_dir; a full disk is one
                     # error line and leaves no temp file.
-                    atomic_write(
-                        path, lambda tmp: write_gene2go_tsv(self.synthetic.gene2go, tmp, True)
-                    )
+                    try:
+                        atomic_write(
+                            path, lambda tmp: write_gene2go_tsv(self.synthetic.gene2go, tmp, True)
+                        )
+                    except (OSError, CheckpointWriteError) as e:
+                        why = e.strerror if isinstance(e, OSError) and e.strerror else e
+                        raise GearsInputError(
+                            f"could not write the synthetic screen's GO file {path} "
+                            f"({why}): data.data_dir must be a writable folder; "
+                            "point data.data_dir at one"
+                        ) from None
                 self.gene2go_path = path
             return self.new_data_process(
                 "synthetic", self.synthetic.adata, write=False, context_key=context_key
@@ -451,6 +460,7 @@ class PertData:
         names = gene_names_of(adata)
         obs = pd.DataFrame(index=adata.obs_names.astype(str))
         gene_spellings = control_like_genes(names, control_names)
+        refuse_joined_gene_names(adata.obs[condition_key].values, names, sep)
         obs["condition"] = canonicalize_conditions(
             adata.obs[condition_key].values, sep, control_names, gene_spellings
         )
@@ -1242,6 +1252,7 @@ class PertData:
                 self._log(f"reusing the processed store {opened.path}")
             raw = backed.obs[chosen].astype(str).str.strip()
             gene_spellings = control_like_genes(gene_names_of(backed), control_names)
+            refuse_joined_gene_names(raw.values, gene_names_of(backed), sep)
             canon = canonicalize_conditions(raw.values, sep, control_names, gene_spellings)
             self.condition_key = chosen
             self.condition_spelling = raw.groupby(canon, sort=False).first().to_dict()
@@ -1309,6 +1320,7 @@ class PertData:
             wanted = wanted if isinstance(wanted, (list, tuple)) else [wanted]
             keep &= backed.obs[column].astype(str).isin([str(w) for w in wanted]).values
         gene_spellings = control_like_genes(names, control_names)
+        refuse_joined_gene_names(raw.values, names, sep)
         conditions = canonicalize_conditions(raw.values, sep, control_names, gene_spellings)
         conditions = np.where(keep, conditions, "")
         self._report_control_like_genes(gene_spellings, conditions[keep])

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from gears.errors import GearsInputError
+
 
 @dataclass
 class ModelBatch:
@@ -61,6 +63,27 @@ def declared_covariates(net: torch.nn.Module) -> tuple[str, ...]:
 def split_output(out) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A network's output as (change [R, G], logvar [R, G] or None)."""
     return out if isinstance(out, tuple) else (out, None)
+
+
+def check_output(out, net, n_rows: int, n_genes: int) -> None:
+    """A GearsInputError naming the network's class and what is wrong when its output breaks
+    the contract: a floating-point tensor [rows, genes] (or a tuple of two: change and
+    log-variance). Reads shapes and dtypes only (no host sync)."""
+    name = type(net).__name__
+    fix = (
+        f"{name}.forward must return a floating-point torch.Tensor [rows, genes] = "
+        f"[{n_rows}, {n_genes}] (or a tuple (change, logvar) of two such tensors)"
+    )
+    parts = out if isinstance(out, tuple) else (out,)
+    if isinstance(out, tuple) and len(out) != 2:
+        raise GearsInputError(f"{name} returned a tuple of {len(out)}; {fix}")
+    for what, part in zip(("output", "log-variance"), parts):
+        if not isinstance(part, torch.Tensor):
+            raise GearsInputError(f"{name} returned a {type(part).__name__} as its {what}; {fix}")
+        if not part.is_floating_point():
+            raise GearsInputError(f"{name} returned dtype {part.dtype} as its {what}; {fix}")
+        if tuple(part.shape) != (n_rows, n_genes):
+            raise GearsInputError(f"{name} returned shape {list(part.shape)} as its {what}; {fix}")
 
 
 def predicted_expression(change, x):
