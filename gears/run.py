@@ -225,7 +225,9 @@ def _run(cfg: Config, env: DistEnv, pert_data=None) -> dict | None:
     from gears.api import GEARS
     from gears.baselines import baseline_predictions
     from gears.engine import seed_everything
-    from gears.plotting import plot_history
+    from gears.model import network_class
+    from gears.plotting import plot_history, run_title
+    from gears.report import held_out, matched_scores, no_change_validation
 
     t_start = time.perf_counter()
     from gears.contexts import one_model_per_context, run_contexts
@@ -290,6 +292,7 @@ def _run(cfg: Config, env: DistEnv, pert_data=None) -> dict | None:
             "select": cfg.train.select,
             "control_mean": cfg.eval.control_mean,
             "val_best": history.val[model.best_epoch] if history.val else {},
+            "val_no_change": no_change_validation(evaluator, pert_data.ctrl_mean),
             "test": {},
             "subgroups": {},
             "baselines": {},
@@ -297,6 +300,7 @@ def _run(cfg: Config, env: DistEnv, pert_data=None) -> dict | None:
         }
         if has_test:
             scored = evaluator.full("test", pred_mean=pred)
+            full_by_predictor = {"gears": scored}
             results["test"] = scored["summary"].pop("overall")
             results["subgroups"] = scored["summary"]
             view = evaluator.set_view("test")
@@ -308,9 +312,13 @@ def _run(cfg: Config, env: DistEnv, pert_data=None) -> dict | None:
             for name, bpred in baseline_means.items():
                 if np.isnan(bpred).all():
                     continue
-                b = evaluator.full("test", pred_mean=bpred)["summary"]
+                full_by_predictor[name] = evaluator.full("test", pred_mean=bpred)
+                b = full_by_predictor[name]["summary"]
                 results["baselines"][name] = b.pop("overall")
                 results["baseline_subgroups"][name] = b
+            groups = (pert_data.subgroup or {}).get("test_subgroup") or {}
+            results["test_conditions"] = held_out(view["conditions"], groups)
+            results["matched"] = matched_scores(full_by_predictor)
             if cfg.eval.control_mean == "paired":  # what the protocol adds, for the report
                 control = evaluator.control_means("test")
                 results["paired_control_alone"] = evaluator.full("test", pred_mean=control)[
@@ -347,11 +355,25 @@ def _run(cfg: Config, env: DistEnv, pert_data=None) -> dict | None:
         }
         results["report"] = pert_data.report
         model.save_model(out / "model")
-        plot_history(history, out / "plots" / "loss.png")
+        network = network_class(cfg.model.impl).__name__
+        context = getattr(pert_data, "context", None)
+        plot_history(
+            history,
+            out / "plots" / "loss.png",
+            kept_epoch=results["best_epoch"],
+            no_change=results["val_no_change"].get("mse_de"),
+            title=run_title(out, network, context),
+        )
         if has_test:
-            for cond, values in model.test_units()[: cfg.train.plot_conditions]:
+            for i, (cond, values) in enumerate(model.test_units()[: cfg.train.plot_conditions]):
                 name = "_".join([cond.replace("+", "_"), *values.values()])
-                model.plot_perturbation(cond, out / "plots" / f"{name}.png", values)
+                model.plot_perturbation(
+                    cond,
+                    out / "plots" / f"{name}.png",
+                    values,
+                    baselines={b: m[i] for b, m in baseline_means.items()},
+                    title=run_title(out, network, values.get("context", context)),
+                )
         results = _clean(results)
         text = json.dumps(results, indent=1)
         ckpt.atomic_write(out / "metrics.json", lambda tmp: tmp.write_text(text))
