@@ -21,11 +21,14 @@ LOG_SCALE_RANGE = 10.0
 PLAIN = FuncFormatter(lambda value, _: f"{value:g}")
 
 
-def run_title(out_dir: str | Path, model: str, context: str | None = None) -> str:
-    """What a plot names so it stands alone: the run (out_dir's name; a context's folder lies
-    under the run's, so the run's name then), the context if any, the model (network class)."""
+def run_title(
+    out_dir: str | Path, model: str, context: str | None = None, context_run: bool = False
+) -> str:
+    """What a plot names so it stands alone: the run (out_dir's name), the context if any, the
+    model (network class). context_run: out_dir is one context's folder of a run that trains
+    one model per context (gears.contexts), so the run is its parent folder."""
     out = Path(out_dir)
-    parts = [f"run {out.parent.name if context is not None else out.name}"]
+    parts = [f"run {out.parent.name if context_run else out.name}"]
     if context is not None:
         parts.append(f"context {context}")
     return " | ".join([*parts, f"model {model}"])
@@ -53,10 +56,9 @@ def history_figure(
     val = [v.get("mse_de", np.nan) for v in history.val]
     ax[1].plot(epochs[: len(val)], val, marker="o", color="tab:orange", label="model")
     ax[1].set(xlabel="epoch", ylabel="validation mse_de", title="validation MSE, top-20 DE genes")
-    if no_change is not None and np.isfinite(no_change) and len(epochs):
-        ax[1].plot(
-            [epochs[0], epochs[-1]],
-            [no_change, no_change],
+    if no_change is not None and np.isfinite(no_change):
+        ax[1].axhline(  # across the whole axis: visible with one epoch too
+            no_change,
             color="grey",
             linestyle="--",
             label=f"no_change: {no_change:.4f}",
@@ -72,6 +74,9 @@ def history_figure(
                 label=f"kept epoch {kept_epoch}",
             )
         a.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole numbers
+        if len(epochs) == 1:  # else the locator spreads 0.945 ... 1.050 around the one epoch
+            a.set_xlim(0.5, 1.5)
+            a.set_xticks([1])
         if a.get_yscale() == "linear":  # no "+8.2" offset or 1e-5 factor above the axis
             a.ticklabel_format(axis="y", style="plain", useOffset=False)
         a.grid(alpha=0.3)

@@ -362,7 +362,7 @@ def _run(cfg: Config, env: DistEnv, pert_data=None) -> dict | None:
             out / "plots" / "loss.png",
             kept_epoch=results["best_epoch"],
             no_change=results["val_no_change"].get("mse_de"),
-            title=run_title(out, network, context),
+            title=run_title(out, network, context, context_run=context is not None),
         )
         if has_test:
             for i, (cond, values) in enumerate(model.test_units()[: cfg.train.plot_conditions]):
@@ -372,7 +372,12 @@ def _run(cfg: Config, env: DistEnv, pert_data=None) -> dict | None:
                     out / "plots" / f"{name}.png",
                     values,
                     baselines={b: m[i] for b, m in baseline_means.items()},
-                    title=run_title(out, network, values.get("context", context)),
+                    title=run_title(
+                        out,
+                        network,
+                        values.get("context", context),
+                        context_run=context is not None,
+                    ),
                 )
         results = _clean(results)
         text = json.dumps(results, indent=1)

@@ -28,6 +28,7 @@ def _tick_labels(axis) -> list[str]:
     [
         [8.243, 8.201, 8.15],  # a default run's first epochs: the axis read 8.2x10^0
         [120.0, 30.0, 8.0, 3.0, 1.2],  # a wide range: log axis, labelled 1, 10, 100
+        [5.25],  # one epoch: the axis read 0.945 ... 1.050
     ],
 )
 def test_loss_axis_reads_as_plain_numbers(loss):
@@ -96,9 +97,13 @@ def test_run_title_names_the_run_the_context_and_the_model(tmp_path):
     from gears.plotting import run_title
 
     assert run_title(tmp_path / "runs" / "norman", "GEARSNet") == "run norman | model GEARSNet"
-    a172 = run_title(tmp_path / "lines" / "A172", "GEARSNet", context="A172")
-    t98g = run_title(tmp_path / "lines" / "T98G", "GEARSNet", context="T98G")
+    # one model per context: out_dir is the context's folder, the run its parent
+    a172 = run_title(tmp_path / "lines" / "A172", "GEARSNet", "A172", context_run=True)
+    t98g = run_title(tmp_path / "lines" / "T98G", "GEARSNet", "T98G", context_run=True)
     assert a172 == "run lines | context A172 | model GEARSNet" and a172 != t98g
+    # one model across contexts (a fork reading the context): out_dir is the run
+    joint = run_title(tmp_path / "fork", "ContextGEARS", "A172")
+    assert joint == "run fork | context A172 | model ContextGEARS"
 
 
 def test_loss_plot_marks_the_kept_epoch_and_the_no_change_level():
