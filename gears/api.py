@@ -449,15 +449,30 @@ class GEARS:
         query: str,
         save_file: str | Path | None = None,
         covariates: dict[str, str] | None = None,
+        *,
+        baselines: dict | None = None,
+        title: str = "",
     ):
         """GEARS's plot: true per-cell changes on the top-20 DE genes with the prediction
-        (for a network that reads covariates, the prediction for `covariates`' values)."""
-        from gears.plotting import plot_perturbation
+        (for a network that reads covariates, the prediction for `covariates`' values), and
+        beside it train_mean and, for a double, additive (baselines: name -> [genes] mean
+        profile; None: formed from the split, gears.plotting.split_baselines). title: a second
+        title line (gears.plotting.run_title)."""
+        from gears.plotting import plot_perturbation, split_baselines
 
         cond = canonical_condition(query)
         pred = self.predict([condition_genes(cond)], covariates)
         pred = pred[0] if isinstance(pred, tuple) else pred
-        return plot_perturbation(self.pert_data, cond, next(iter(pred.values())), save_file)
+        if baselines is None:
+            baselines = split_baselines(self.pert_data, cond)
+        return plot_perturbation(
+            self.pert_data,
+            cond,
+            next(iter(pred.values())),
+            save_file,
+            baselines=baselines,
+            title=title,
+        )
 
     def evaluate(self, set_name: str = "test", control_mean: str = "all") -> dict:
         """GEARS's metrics on a split set (Evaluator.full), predicted means formed as

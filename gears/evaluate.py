@@ -247,12 +247,18 @@ class Evaluator:
         cells = predicted_expression(change, pair)
         return segment_mean(cells, unit, np.arange(len(unit)), len(view["conditions"]))
 
-    def quick(self, set_name: str, net: torch.nn.Module | None = None) -> dict[str, float]:
-        """The per-epoch validation metrics: mse, mse_de, pearson, pearson_delta (means)."""
+    def quick(
+        self,
+        set_name: str,
+        net: torch.nn.Module | None = None,
+        pred_mean: np.ndarray | None = None,
+    ) -> dict[str, float]:
+        """The per-epoch validation metrics: mse, mse_de, pearson, pearson_delta (means).
+        pred_mean [C, G] scores given predictions (a baseline) instead of the network's."""
         view = self.set_view(set_name)
         if not view["conditions"]:
             return {}
-        pred = self.predict_means(set_name, net)
+        pred = self.predict_means(set_name, net) if pred_mean is None else pred_mean
         truth = view["truth_mean"]
         de = self.pd.de_idx[view["cond_ids"]]
         valid = de >= 0

@@ -228,14 +228,20 @@ def check_before_the_run(cfg: Config) -> None:
         require_scorable(cfg, network, one_model_per_context(cfg))
 
 
-def plot_examples(model, out: Path, n: int) -> None:
+def plot_examples(model, out: Path, n: int, baseline_means=None, title=None) -> None:
     """The first n test units' perturbation plots, in out/plots whatever the names (a gene
-    named like a path names no place, gears.io.file_name)."""
+    named like a path names no place, gears.io.file_name). baseline_means: predictor -> [units,
+    G] means drawn beside the prediction; title(context) -> the plot's title."""
     from gears.io import file_name
 
-    for cond, values in model.test_units()[:n]:
+    for i, (cond, values) in enumerate(model.test_units()[:n]):
         name = file_name("_".join([cond.replace("+", "_"), *map(str, values.values())]))
-        model.plot_perturbation(cond, out / "plots" / f"{name}.png", values)
+        extra = {}
+        if baseline_means is not None:
+            extra["baselines"] = {b: m[i] for b, m in baseline_means.items()}
+        if title is not None:
+            extra["title"] = title(values.get("context"))
+        model.plot_perturbation(cond, out / "plots" / f"{name}.png", values, **extra)
 
 
 def check_wandb_login(cfg: Config) -> None:
@@ -267,6 +273,7 @@ def _run(cfg: Config, env: DistEnv, pert_data=None, later: list | None = None) -
     from gears.api import GEARS
     from gears.baselines import baseline_predictions
     from gears.engine import seed_everything
+    from gears.report import held_out, matched_scores, no_change_validation
 
     t_start = time.perf_counter()
     from gears.contexts import one_model_per_context, run_contexts
@@ -331,6 +338,7 @@ def _run(cfg: Config, env: DistEnv, pert_data=None, later: list | None = None) -
             "select": cfg.train.select,
             "control_mean": cfg.eval.control_mean,
             "val_best": history.val[model.best_epoch] if history.val else {},
+            "val_no_change": no_change_validation(evaluator, pert_data.ctrl_mean),
             "test": {},
             "subgroups": {},
             "baselines": {},
@@ -338,6 +346,7 @@ def _run(cfg: Config, env: DistEnv, pert_data=None, later: list | None = None) -
         }
         if has_test:
             scored = evaluator.full("test", pred_mean=pred)
+            full_by_predictor = {"gears": scored}
             results["test"] = scored["summary"].pop("overall")
             results["subgroups"] = scored["summary"]
             view = evaluator.set_view("test")
@@ -349,9 +358,13 @@ def _run(cfg: Config, env: DistEnv, pert_data=None, later: list | None = None) -
             for name, bpred in baseline_means.items():
                 if np.isnan(bpred).all():
                     continue
-                b = evaluator.full("test", pred_mean=bpred)["summary"]
+                full_by_predictor[name] = evaluator.full("test", pred_mean=bpred)
+                b = full_by_predictor[name]["summary"]
                 results["baselines"][name] = b.pop("overall")
                 results["baseline_subgroups"][name] = b
+            groups = (pert_data.subgroup or {}).get("test_subgroup") or {}
+            results["test_conditions"] = held_out(view["conditions"], groups)
+            results["matched"] = matched_scores(full_by_predictor)
             if cfg.eval.control_mean == "paired":  # what the protocol adds, for the report
                 control = evaluator.control_means("test")
                 results["paired_control_alone"] = evaluator.full("test", pred_mean=control)[
@@ -432,14 +445,31 @@ def _optional_outputs(
     """Plots, cell-eval and cell-eval2 of a run whose model and metrics.json are written (rank
     0); each that fails prints one line. metrics.json is rewritten with the scores.
     -> the run's results"""
-    from gears.plotting import plot_history
+    from gears.model import network_class
+    from gears.plotting import plot_history, run_title
 
     t0 = time.perf_counter()
 
     def plots():
-        plot_history(history, out / "plots" / "loss.png")
+        network = network_class(cfg.model.impl).__name__
+        context = getattr(pert_data, "context", None)
+        plot_history(
+            history,
+            out / "plots" / "loss.png",
+            kept_epoch=results["best_epoch"],
+            no_change=results["val_no_change"].get("mse_de"),
+            title=run_title(out, network, context, context_run=context is not None),
+        )
         if conditions:
-            plot_examples(model, out, cfg.train.plot_conditions)
+            plot_examples(
+                model,
+                out,
+                cfg.train.plot_conditions,
+                baseline_means,
+                lambda ctx: run_title(
+                    out, network, ctx or context, context_run=context is not None
+                ),
+            )
 
     _optional("plots", plots)
     scored = False

@@ -92,3 +92,21 @@ def test_bad_input():
         baseline_predictions(train, ctrl, ["A+ctrl"], genes[:2])
     with pytest.raises(GearsInputError, match="A\\+ctrl"):
         baseline_predictions({"A+ctrl": np.ones(4)}, ctrl, ["A+ctrl"], genes)
+
+
+def test_linear_is_no_change_when_no_perturbed_gene_is_measured():
+    """docs/metrics.md#the-linear-baseline: a screen of highly variable genes that holds none of
+    its perturbed genes (the glioma lines of ../shared/data) gives every perturbation no
+    embedding; the fit keeps control alone and linear predicts the control mean, no_change.
+    With one perturbed gene measured, the others get the mean of control and its profile."""
+    rng = np.random.default_rng(0)
+    genes = [f"H{i}" for i in range(30)]  # measured genes; the perturbed ones are P0..P5
+    ctrl = rng.random(30)
+    train = {f"P{i}+ctrl": ctrl + rng.normal(size=30) for i in range(4)}
+    targets = ["P4+ctrl", "P5+ctrl", "P4+P5"]
+    out = baseline_predictions(train, ctrl, targets, genes)
+    np.testing.assert_allclose(out["linear"], out["no_change"], rtol=0, atol=1e-12)
+    train["H3+ctrl"] = ctrl + rng.normal(size=30)  # one perturbed gene among the measured
+    out = baseline_predictions(train, ctrl, targets, genes)
+    halfway = (ctrl + train["H3+ctrl"]) / 2
+    np.testing.assert_allclose(out["linear"], np.tile(halfway, (3, 1)), rtol=0, atol=1e-12)

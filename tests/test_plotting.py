@@ -30,6 +30,7 @@ def _tick_labels(axis) -> list[str]:
     [
         [8.243, 8.201, 8.15],  # a default run's first epochs: the axis read 8.2x10^0
         [120.0, 30.0, 8.0, 3.0, 1.2],  # a wide range: log axis, labelled 1, 10, 100
+        [5.25],  # one epoch: the axis read 0.945 ... 1.050
     ],
 )
 def test_loss_axis_reads_as_plain_numbers(loss):
@@ -154,3 +155,91 @@ def test_a_run_whose_genes_are_named_like_paths_plots_inside_out_dir_plots(tmp_p
     run(cfg, DistEnv(device=torch.device("cpu")), pert_data)
     plots = sorted(tmp_path.rglob("*.png"))
     assert len(plots) > 1 and all(p.parent == out / "plots" for p in plots), plots
+
+
+def _legend(ax) -> list[str]:
+    return [t.get_text() for t in ax.get_legend().get_texts()]
+
+
+def test_run_title_names_the_run_the_context_and_the_model(tmp_path):
+    """Two contexts' plots had the same title, and no plot named its run or model."""
+    from gears.plotting import run_title
+
+    assert run_title(tmp_path / "runs" / "norman", "GEARSNet") == "run norman | model GEARSNet"
+    # one model per context: out_dir is the context's folder, the run its parent
+    a172 = run_title(tmp_path / "lines" / "A172", "GEARSNet", "A172", context_run=True)
+    t98g = run_title(tmp_path / "lines" / "T98G", "GEARSNet", "T98G", context_run=True)
+    assert a172 == "run lines | context A172 | model GEARSNet" and a172 != t98g
+    # one model across contexts (a fork reading the context): out_dir is the run
+    joint = run_title(tmp_path / "fork", "ContextGEARS", "A172")
+    assert joint == "run fork | context A172 | model ContextGEARS"
+
+
+def test_loss_plot_marks_the_kept_epoch_and_the_no_change_level():
+    history = History(train_loss=[3.0, 2.0, 1.5], val=[{"mse_de": v} for v in (1.0, 0.7, 0.8)])
+    fig = history_figure(history, kept_epoch=2, no_change=0.9, title="run r | model GEARSNet")
+    try:
+        loss_ax, val_ax = fig.axes
+        assert fig._suptitle.get_text() == "run r | model GEARSNet"
+        labels = _legend(val_ax)
+        assert "no_change: 0.9000" in labels
+        assert "kept epoch 2" in labels
+        (level,) = [x for x in val_ax.get_lines() if x.get_label() == "no_change: 0.9000"]
+        assert list(level.get_ydata()) == [0.9, 0.9]
+        (kept,) = [x for x in val_ax.get_lines() if x.get_label() == "kept epoch 2"]
+        assert list(kept.get_xdata()) == [2, 2]
+        assert any(x.get_label() == "kept epoch 2" for x in loss_ax.get_lines())
+    finally:
+        plt.close(fig)
+
+
+def test_perturbation_plot_shows_train_mean_and_for_a_double_additive(tiny):
+    """The prediction stood alone: nothing told a reader whether it beat a trivial guess.
+    split_baselines forms the baselines from the split (train_mean always, additive for a double
+    whose two singles were trained) as gears.baselines does."""
+    from gears.baselines import additive_predictions
+    from gears.plotting import split_baselines
+
+    train = [c for c in tiny.set2conditions["train"] if c != "ctrl"]
+    means = dict(zip(train, tiny.condition_means(train)))
+    singles = {c for c in train if c.endswith("+ctrl")}
+    double = next(
+        c
+        for c in tiny.set2conditions["test"]
+        if "ctrl" not in c and all(f"{g}+ctrl" in singles for g in c.split("+"))
+    )
+    fig = plot_perturbation(
+        tiny,
+        double,
+        np.asarray(tiny.ctrl_mean) + 0.1,
+        baselines=split_baselines(tiny, double),
+        title="run r | model GEARSNet",
+    )
+    try:
+        (ax,) = fig.axes
+        assert ax.get_title() == f"{double}\nrun r | model GEARSNet"
+        labels = _legend(ax)
+        assert labels[1:] == [
+            "predicted mean change",
+            "train_mean (mean of the training perturbations)",
+            "additive (sum of the two singles' changes)",
+        ]
+        genes = [g for g in tiny.de_idx[tiny.cond_to_id[double]] if g >= 0]
+        ctrl = np.asarray(tiny.ctrl_mean, dtype=np.float64)
+        additive = additive_predictions(means, ctrl, [double])[0]
+        (dots,) = [c for c in ax.collections if c.get_label() == "additive"]
+        assert np.allclose(dots.get_offsets()[:, 1], (additive - ctrl)[genes])
+        train_mean = np.mean(np.stack(list(means.values())), axis=0)
+        (dots,) = [c for c in ax.collections if c.get_label() == "train_mean"]
+        assert np.allclose(dots.get_offsets()[:, 1], (train_mean - ctrl)[genes])
+    finally:
+        plt.close(fig)
+    single = next(c for c in tiny.set2conditions["test"] if c.endswith("+ctrl"))
+    pred = np.asarray(tiny.ctrl_mean) + 0.1
+    fig = plot_perturbation(tiny, single, pred, baselines=split_baselines(tiny, single))
+    try:
+        labels = _legend(fig.axes[0])
+        assert "train_mean (mean of the training perturbations)" in labels
+        assert not [x for x in labels if x.startswith("additive")]
+    finally:
+        plt.close(fig)

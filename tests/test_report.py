@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -145,3 +146,212 @@ def test_a_paired_run_explains_its_table(tmp_path):
     rows = {"gears": metrics["test"], **metrics["baselines"]}
     assert line.split()[1:] == [value_text(rows[c]["mse"]) for c in cols]
     assert "nan" not in out.lower()
+
+
+def _subgroup_results() -> dict:
+    """combo_seen2 has 3 doubles; additive forms 2 of them (one double's gene was seen only in
+    validation), and `matched` scores every predictor on those 2."""
+    results = _results()
+    results["baseline_subgroups"] = {
+        "no_change": {"combo_seen2": _row(7, mse_de=0.9), "unseen_single": _row(15, mse_de=0.8)},
+        "train_mean": {"combo_seen2": _row(7, mse_de=0.6), "unseen_single": _row(15, mse_de=0.31)},
+        "additive": {"combo_seen2": _row(6, mse_de=0.1173)},
+        "linear": {"combo_seen2": _row(7, mse_de=0.7), "unseen_single": _row(15, mse_de=0.4)},
+    }
+    results["test_conditions"] = {
+        "all": [f"C{i}" for i in range(36)],
+        "combo_seen2": [f"C{i}" for i in range(7)],
+        "unseen_single": [f"C{i}" for i in range(7, 22)],
+    }
+    results["matched"] = {
+        "additive": {
+            "conditions": [f"C{i}" for i in range(6)],
+            "scores": {
+                "gears": _row(6, mse_de=0.7001),
+                "no_change": _row(6, mse_de=0.9002),
+                "train_mean": _row(6, mse_de=0.6003),
+                "additive": _row(6, mse_de=0.1173),
+                "linear": _row(6, mse_de=0.7004),
+            },
+        }
+    }
+    return results
+
+
+def _line(lines: list[str], label: str) -> list[str]:
+    """The values of the table row whose label is `label` (a label may hold spaces)."""
+    (line,) = [x for x in lines if x.startswith(label + " ") and len(x) > len(label)]
+    return line[len(label) :].split()
+
+
+def test_every_subgroup_row_carries_the_baselines_beside_gears():
+    """The console printed subgroups for gears alone; the baselines' subgroups were only in
+    metrics.json, though docs/metrics.md says to compare train_mean on unseen_single."""
+    lines = table_lines(_subgroup_results())
+    assert _line(lines, "unseen_single mse_de") == ["0.5000", "0.8000", "0.3100", "-", "0.4000"]
+    assert _line(lines, "unseen_single n") == ["15", "15", "15", "-", "15"]
+    assert _line(lines, "combo_seen2 mse_de") == ["0.7251", "0.9000", "0.6000", "0.1173", "0.7000"]
+    assert _line(lines, "combo_seen2 n") == ["7", "7", "7", "6*", "7"]
+    assert _line(lines, "combo_seen2 pearson_delta")[0] == "0.5000"
+
+
+def test_additive_and_gears_are_compared_over_the_same_doubles():
+    """additive covered 6 of combo_seen2's 7 doubles and the table set it beside gears's 7:
+    a row scores every predictor on additive's doubles, and a note says which and why."""
+    lines = table_lines(_subgroup_results())
+    assert _line(lines, "additive's set mse_de") == [
+        "0.7001",
+        "0.9002",
+        "0.6003",
+        "0.1173",
+        "0.7004",
+    ]
+    assert _line(lines, "additive's set n") == ["6"] * 5
+    text = "\n".join(lines)
+    assert "additive's set: the 6 test perturbations additive can form" in text
+    assert "6 of combo_seen2's 7" in text
+    assert "compare gears with additive on this row" in " ".join(text.split())
+
+
+def test_linear_equal_to_no_change_is_explained_under_the_table():
+    results = _results()
+    results["baselines"]["linear"] = dict(results["baselines"]["no_change"])
+    text = " ".join("\n".join(table_lines(results)).split())
+    assert "linear equals no_change here" in text and "docs/metrics.md" in text
+    assert "linear equals" not in "\n".join(table_lines(_results()))
+
+
+def test_held_out_lists_the_test_perturbations_per_subgroup():
+    from gears.report import held_out
+
+    groups = {"combo_seen2": ["A+B", "C+D", "X+Y"], "unseen_single": ["E+ctrl"], "combo_seen0": []}
+    sets = held_out(["A+B", "E+ctrl", "C+D", "A+B"], groups)
+    assert sets == {
+        "all": ["A+B", "E+ctrl", "C+D"],
+        "combo_seen2": ["A+B", "C+D"],
+        "unseen_single": ["E+ctrl"],
+    }
+
+
+def test_matched_scores_every_predictor_on_the_smaller_columns_perturbations():
+    """gears's per-perturbation metrics averaged over the perturbations additive covers, by
+    hand, against matched_scores."""
+    from gears.report import matched_scores
+
+    conds = ["A+B", "C+D", "E+ctrl"]
+    scored = {
+        "gears": {"conditions": conds, "per_condition": {"mse_de": np.array([1.0, 2.0, 9.0])}},
+        "no_change": {"conditions": conds, "per_condition": {"mse_de": np.array([3.0, 5.0, 7.0])}},
+        "additive": {"conditions": ["C+D"], "per_condition": {"mse_de": np.array([0.5])}},
+    }
+    out = matched_scores(scored)
+    assert list(out) == ["additive"]
+    assert out["additive"]["conditions"] == ["C+D"]
+    scores = out["additive"]["scores"]
+    assert scores["gears"]["mse_de"] == 2.0 and scores["gears"]["n_conditions"] == 1
+    assert scores["no_change"]["mse_de"] == 5.0 and scores["additive"]["mse_de"] == 0.5
+
+
+FIXED_SUBKEYS = ("timing", "history")  # metrics.json keys documented one sub-key a row
+METRICS_MD = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
+
+
+def _documented_file_keys() -> dict[str, str]:
+    """docs/metrics.md's "The file" table: every key its first column names -> its row."""
+    table = METRICS_MD.read_text().split("## The file")[1].split("\n## ")[0]
+    rows = {}
+    for line in table.splitlines():
+        if line.startswith("| `"):
+            first, what = line.split("|")[1:3]
+            for key in re.findall(r"`([\w.]+)`", first):
+                rows[key] = what.strip()
+    return rows
+
+
+def _file_keys(metrics: dict) -> set[str]:
+    """The keys of a metrics.json as the page names them: top level, and `a.b` for the
+    FIXED_SUBKEYS dicts."""
+    keys = set()
+    for key, value in metrics.items():
+        if key in FIXED_SUBKEYS:
+            keys |= {f"{key}.{sub}" for sub in value}
+        else:
+            keys.add(key)
+    return keys
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    """A whole run on the TINY screen with the default settings: (its folder, its stdout)."""
+    tmp = tmp_path_factory.mktemp("run")
+    run = run_train_cli(tmp / "run", tmp / "data")
+    assert run.returncode == 0, run.stderr[-2000:]
+    return tmp / "run", run.stdout
+
+
+@pytest.mark.slow
+def test_metrics_md_documents_every_key_of_a_runs_metrics_json(default_run):
+    """Key by key, as tests/test_docs.py checks configuration.md against config.py: a key the
+    run writes has a row, and a documented key the run lacks is one written "only with" a
+    setting. The page said `history` held per-epoch records; it holds one list per field."""
+    folder, _ = default_run
+    metrics = json.loads((folder / "metrics.json").read_text())
+    rows = _documented_file_keys()
+    written = _file_keys(metrics)
+    assert written - set(rows) == set(), "docs/metrics.md has no row for these keys"
+    absent = {k for k in set(rows) - written if not rows[k].startswith("only with")}
+    assert absent == set(), "docs/metrics.md documents keys a default run does not write"
+    assert isinstance(metrics["history"]["train_loss"], list)
+    assert len(metrics["history"]["val"]) == metrics["timing"]["epochs"]
+
+
+@pytest.mark.slow
+def test_a_run_lists_its_held_out_perturbations_and_prints_every_predictor_per_subgroup(
+    default_run, tmp_path
+):
+    folder, out = default_run
+    metrics = json.loads((folder / "metrics.json").read_text())
+    split = tiny_split(tmp_path)  # the run's data and split (seed 1, simulation)
+    test = [c for c in split.set2conditions["test"] if c != "ctrl"]
+    listed = metrics["test_conditions"]
+    assert sorted(listed["all"]) == sorted(test)
+    assert set(listed) - {"all"} == set(metrics["subgroups"])
+    for name, members in listed.items():
+        if name != "all":
+            assert sorted(members) == sorted(split.subgroup["test_subgroup"][name])
+            assert metrics["subgroups"][name]["n_conditions"] == len(members)
+    lines = out.splitlines()
+    cols = ["gears", *metrics["baselines"]]
+    for name in metrics["subgroups"]:
+        rows = {"gears": metrics["subgroups"][name]}
+        rows.update({c: metrics["baseline_subgroups"][c].get(name, {}) for c in cols[1:]})
+        assert _line(lines, f"{name} mse_de") == [value_text(rows[c].get("mse_de")) for c in cols]
+    additive = metrics["matched"]["additive"]
+    train = set(split.set2conditions["train"])
+    for double in additive["conditions"]:  # doubles whose two singles were trained
+        assert double in listed["combo_seen2"]
+        assert all(f"{g}+ctrl" in train for g in double.split("+"))
+    scores = additive["scores"]
+    assert set(scores) == set(cols)
+    assert {row["n_conditions"] for row in scores.values()} == {len(additive["conditions"])}
+    assert _line(lines, "additive's set mse_de") == [value_text(scores[c]["mse_de"]) for c in cols]
+
+
+def test_no_change_validation_scores_the_control_mean_on_the_validation_set(tmp_path):
+    """The level loss.png draws under the validation curve (metrics.json `val_no_change`): the
+    validation mse_de of predicting the control mean, by hand."""
+    from gears.report import no_change_validation
+
+    pert_data = tiny_split(tmp_path)
+    ev = Evaluator(pert_data)
+    scored = no_change_validation(ev, pert_data.ctrl_mean)
+    view = ev.set_view("val")
+    ctrl = np.asarray(pert_data.ctrl_mean, dtype=np.float64)
+    by_hand = []
+    for cond, truth in zip(view["conditions"], view["truth_mean"]):
+        de = [g for g in pert_data.de_idx[pert_data.cond_to_id[cond]] if g >= 0]
+        by_hand.append(np.mean((ctrl[de] - truth[de]) ** 2))
+    assert scored["mse_de"] == pytest.approx(np.mean(by_hand), rel=1e-9)
+    assert scored["pearson_delta"] == 0.0
+    pert_data.set2conditions["val"] = ["ctrl"]
+    assert no_change_validation(Evaluator(pert_data), pert_data.ctrl_mean) == {}
