@@ -90,9 +90,11 @@ class EpochPlan:
         expr = self.dataset.expr
         if expr.dense is None:
             raise PlanUnsupported("the expression matrix is CSR (gathered on the host per batch)")
-        if expr.dense.device != self.device:
+        where = expr.dense.device
+        if where.type != self.device.type or self.device.index not in (None, where.index):
             raise PlanUnsupported(
-                f"the expression matrix is on {expr.dense.device}, not on the GPU"
+                f"the expression matrix is on {where}, not on {self.device} (too large for "
+                "the GPU's memory, or gathered by loader workers: train.num_workers > 0)"
             )
         self.expr = expr.dense
         self.tensors: dict[str, torch.Tensor] = {}
