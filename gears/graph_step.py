@@ -278,20 +278,29 @@ class StepRunner:
         out += [b for n, b in self.net.named_buffers() if n not in graphs]
         return out + [self.loss_sum, self.last_loss, self.first_bad, self.plan.cursor]
 
+    # The CUDA API the capture uses, and the graph object of a bucket: torch's, replaced in
+    # tests/test_graph_step.py by a stand-in that runs the captured function on replay (the
+    # warm-up, the undoing of its effects, the pool and the fallback then run on the CPU).
+    cuda = torch.cuda
+
+    def new_graph(self, bucket: int):
+        return torch.cuda.CUDAGraph()
+
     def _capture(self, bucket: int):
         """The bucket's step as a CUDA graph: warm-up steps on a side stream (their effects
         undone), then the capture; None (and one line) when capturing fails: eager steps."""
         state = self.state_tensors()
         saved = [t.clone() for t in state]
         try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
+            cuda = self.cuda
+            side = cuda.Stream()
+            side.wait_stream(cuda.current_stream())
+            with cuda.stream(side):
                 for _ in range(2):
                     self.step_fn(bucket)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            cuda.current_stream().wait_stream(side)
+            graph = self.new_graph(bucket)
+            with cuda.graph(graph, pool=self.pool):
                 self.step_fn(bucket)
             if self.pool is None:
                 self.pool = graph.pool()

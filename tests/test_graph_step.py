@@ -374,3 +374,84 @@ def test_step_has_no_host_sync_or_host_tensor_under_the_standin(tmp_path, monkey
     ]
     assert len(recorder.ops) > 300
     assert host.found == [] and moves == []
+
+
+class _FakeCuda:
+    """torch.cuda's capture API on the CPU: streams that do nothing, a graph context that runs
+    its block (a real capture records it without running it: the runner undoes its effects
+    either way), or raises `fail`."""
+
+    def __init__(self, fail: Exception | None = None):
+        self.fail, self.captures, self.pools = fail, 0, []
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    def current_stream(self):
+        return self.Stream()
+
+    def stream(self, stream):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def graph(self, graph, pool=None):
+        import contextlib
+
+        self.pools.append(pool)
+        if self.fail is not None:
+            raise self.fail
+        self.captures += 1
+        return contextlib.nullcontext()
+
+
+class _FakeGraph:
+    """A captured bucket: replay runs the runner's step function for it."""
+
+    def __init__(self, runner, bucket: int):
+        self.runner, self.bucket = runner, bucket
+
+    def replay(self):
+        self.runner.step_fn(self.bucket)
+
+    def pool(self):
+        return ("pool", id(self.runner))
+
+
+def _captured_runner(pert_data, fail=None):
+    trainer, runner = _runner(pert_data, 32)
+    runner.capture, runner.cuda = True, _FakeCuda(fail)
+    runner.new_graph = lambda bucket: _FakeGraph(runner, bucket)
+    return trainer, runner
+
+
+@pytest.mark.parametrize(
+    "fail", [None, RuntimeError("operation not permitted when stream is capturing")]
+)
+def test_capture_undoes_its_warm_up_and_replays_the_step(lines, capsys, fail):
+    """The capture path with a stand-in for torch.cuda's graphs: the warm-up steps and the
+    captured call leave no trace (parameters, buffers, optimizer state, accumulators, cursor),
+    every bucket is captured once into one shared pool, and replays train exactly as the
+    uncaptured step; a capture that fails says so in one line and trains on eagerly, the same."""
+    torch.set_num_threads(1)
+    plain_trainer, plain = _runner(lines, 32)
+    trainer, runner = _captured_runner(lines, fail)
+    for i in range(1, 8):
+        plain.run(i)
+        runner.run(i)
+        for a, b in zip(plain.state_tensors(), runner.state_tensors(), strict=True):
+            assert torch.equal(a, b), i
+    buckets = {runner.plan.bucket[i] for i in range(1, 8)}
+    err = capsys.readouterr().err
+    if fail is None:
+        assert set(runner.graphs) == buckets and runner.cuda.captures == len(buckets)
+        assert runner.cuda.pools == [None] + [("pool", id(runner))] * (len(buckets) - 1)
+        assert "capturing" not in err
+    else:
+        assert runner.graphs == {runner.plan.bucket[1]: None} and not runner.capture
+        lines_out = [line for line in err.splitlines() if "train.cuda_graphs" in line]
+        assert lines_out == [
+            "train.cuda_graphs: capturing the step failed (RuntimeError: operation not "
+            "permitted when stream is capturing); training with eager steps"
+        ]
