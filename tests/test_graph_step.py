@@ -455,3 +455,27 @@ def test_capture_undoes_its_warm_up_and_replays_the_step(lines, capsys, fail):
             "train.cuda_graphs: capturing the step failed (RuntimeError: operation not "
             "permitted when stream is capturing); training with eager steps"
         ]
+
+
+@pytest.mark.parametrize("check_every", [1, 4])
+def test_planned_nan_loss_names_epoch_step_and_the_batch_conditions(tiny, tmp_path, check_every):
+    """The planned step's device flag (the first bad batch of the epoch) read at the check
+    interval: the same NonFiniteLossError as the eager step's, naming the bad batch."""
+    from test_faults import _poisoned_trainer
+
+    from gears.errors import NonFiniteLossError
+
+    loaders = tiny.get_dataloader(8, 16)
+    trainer = _poisoned_trainer(tiny, bad_call=3, out_dir=tmp_path, cuda_graphs=True)
+    trainer.check_every = check_every
+    loader = loaders["train_loader"]
+    loader.set_epoch(0)
+    third = [b for _, b in zip(range(3), loader, strict=False)][2]
+    expected = [tiny.conditions[int(c)] for c in third.uniq_cond]
+    with pytest.raises(NonFiniteLossError) as info:
+        trainer.fit(loaders, progress=False)
+    assert trainer.runner is not None
+    message = str(info.value)
+    assert "in epoch 1, at step 3 in all (batch 3 of the epoch)" in message
+    assert str(expected[:20]) in message
+    assert not (tmp_path / "checkpoints").exists()
