@@ -733,6 +733,8 @@ class Trainer:
         """Continue from the newest readable checkpoint in out_dir/checkpoints, if any, when any
         rank asks (gears.training_state.resume). Every rank calls this."""
         kernel = optimizer_kernel(self.cfg.optimizer, self.device)
+        if self.planned and self.cfg.optimizer in ("adam", "adamw"):
+            kernel["capturable"] = True  # (a checkpoint of eager steps names False)
         if not resume(self, asked, kernel):
             return False
         self.resumed = True

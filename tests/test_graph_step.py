@@ -479,3 +479,20 @@ def test_planned_nan_loss_names_epoch_step_and_the_batch_conditions(tiny, tmp_pa
     assert "in epoch 1, at step 3 in all (batch 3 of the epoch)" in message
     assert str(expected[:20]) in message
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_planned_run_resumes_an_eager_checkpoint_with_a_capturable_optimizer(lines, tmp_path):
+    """train.cuda_graphs=null: a run checkpointed on the CPU (eager steps: Adam not capturable)
+    and resumed on a GPU (the planned step): the optimizer is capturable again (else every
+    capture would fail) and trains on. The GPU's choice is stood in for by `planned`."""
+    kw = {"limit_batches": 3, "schedule": "constant"}
+    eager, loaders = _trainer(lines, "fast", planned=None, epochs=1, **kw)
+    eager.out_dir = str(tmp_path)
+    eager.fit(loaders, progress=False)
+    assert eager.runner is None
+    resumed, loaders = _trainer(lines, "fast", planned=None, epochs=2, **kw)
+    resumed.out_dir, resumed.planned = str(tmp_path), True
+    assert resumed.resume()
+    assert all(g["capturable"] for g in resumed.opt.param_groups)
+    resumed.fit(loaders, progress=False)
+    assert resumed.runner is not None and resumed.step == 6
