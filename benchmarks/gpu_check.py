@@ -36,7 +36,9 @@ a check is expected to take on one H100 (16 cores); limit: when it is killed.
            watch that lists every op on a device tensor that makes the host wait for the device
            (_local_scalar_dense, nonzero, masked_select, unique, boolean-mask indexing,
            repeat_interleave without output_size, ...), and on CUDA
-           torch.cuda.set_sync_debug_mode("warn"). Passes when there is none.
+           torch.cuda.set_sync_debug_mode("warn"); also the planned step's function
+           (train.cuda_graphs, called without the capture) in fp32 and bf16. Passes when there
+           is none.
 Stage speed: one check at a time (they time the GPU).
   screen      budget 75 s, limit 150 s. A Norman-size screen with Norman's mix of conditions
               (5,000 genes, 105 single and 131 double perturbations, 100-300 cells each, 5,000
@@ -833,7 +835,53 @@ def child_no_sync(spec: dict) -> dict:
                     "layouts": sorted(layouts), "steps": steps, "syncs": sorted(set(found)),
                 }
             )  # fmt: skip
+        if precision != "fp16":  # (fp16 keeps eager steps)
+            rows.append(planned_no_sync(pert_data, net0, precision, device))
     return {"rows": rows, **cuda_probe()}
+
+
+def planned_no_sync(pert_data, net0, precision: str, device) -> dict:
+    """The planned step (train.cuda_graphs, gears/graph_step.py) called eagerly, not captured,
+    under the same watch: the step function a CUDA graph would hold makes no host sync."""
+    import copy
+    import warnings
+
+    import torch
+
+    from gears.config import ModelConfig, TrainConfig
+    from gears.distributed import DistEnv
+    from gears.engine import Trainer, set_train_mode
+
+    cfg = TrainConfig(batch_size=32, precision=precision, cuda_graphs=True)
+    trainer = Trainer(
+        copy.deepcopy(net0), pert_data, cfg, ModelConfig(hidden_size=32), DistEnv(device=device)
+    )
+    loader = pert_data.get_dataloader(32, 64, device=device)["train_loader"]
+    runner = trainer.step_runner(loader)
+    row = {"precision": precision, "batching": "random", "batch": 32, "layouts": []}
+    if runner is None:
+        return {**row, "steps": 0, "syncs": ["the planned step was refused (see the log)"]}
+    runner.capture = False
+    set_train_mode(trainer.model, trainer.net, False)
+    loader.set_epoch(1)
+    runner.plan.set_epoch(1)
+    runner.begin_epoch(0)
+    found, steps = [], 0
+    for i in range(min(6, len(runner.plan))):
+        if i < 2:  # warm-up: the first step allocates gradients and optimizer state
+            runner.run(i)
+            continue
+        with contextlib.ExitStack() as stack:
+            caught = stack.enter_context(warnings.catch_warnings(record=True))
+            warnings.simplefilter("always")
+            if device.type == "cuda":
+                torch.cuda.set_sync_debug_mode("warn")
+                stack.callback(torch.cuda.set_sync_debug_mode, "default")
+            watched = stack.enter_context(watch_host_syncs())
+            runner.run(i)
+        found += watched + cuda_sync_warnings(caught)
+        steps += 1
+    return {**row, "layouts": ["planned step"], "steps": steps, "syncs": sorted(set(found))}
 
 
 # ============================================================================ helpers

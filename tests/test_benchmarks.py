@@ -301,7 +301,9 @@ def test_gpu_check_correctness_on_cpu_trains_and_reports_each_check(tmp_path):
     assert ddp["status"] == "fail" and "injected failure" in ddp["reason"]
     assert no_sync["status"] == "pass", no_sync["reason"]
     layouts = {lay for row in no_sync["rows"] for lay in row["layouts"]}
-    assert {"equal counts", "per-cell rows", "weighted rows"} <= layouts
+    assert {"equal counts", "per-cell rows", "weighted rows", "planned step"} <= layouts
+    planned = [row for row in no_sync["rows"] if row["layouts"] == ["planned step"]]
+    assert planned and all(row["steps"] == 4 and row["syncs"] == [] for row in planned)
     assert doc["failed"] == [f"ddp: {ddp['reason']}"]
     table = out.stdout[out.stdout.index("check ") :]
     assert re.search(r"train\s+pass\s+\d+\s+150", table) and re.search(r"ddp\s+fail", table)
