@@ -220,6 +220,7 @@ class StepRunner:
         self.pool = None
         self.stepped = False  # the first step allocates the gradients and optimizer state
         self.generation = plan.generation
+        self.captured_storage: tuple[int, ...] = ()
         tensor_lr(self.opt)
 
     # ------------------------------------------------------------------------- the step
@@ -262,12 +263,22 @@ class StepRunner:
             self.step_fn(bucket)
 
     def begin_epoch(self, start: int) -> None:
-        """At an epoch's start (start > 0: resuming within it): cursor and accumulators."""
+        """At an epoch's start (start > 0: resuming within it): cursor and accumulators; the
+        captured graphs are dropped when any storage they read has moved (a loaded checkpoint's
+        optimizer state, a new learning-rate tensor, the plan reallocated)."""
+        if self.graphs and self.storage() != self.captured_storage:
+            self.graphs.clear()
         self.plan.cursor.fill_(start)
         self.loss_sum.zero_()
         self.first_bad.fill_(-1)
 
     # ---------------------------------------------------------------------------- capture
+    def storage(self) -> tuple[int, ...]:
+        """The addresses a captured step reads and writes (state, learning rates, plan)."""
+        tensors = self.state_tensors() + list(self.plan.tensors.values()) + [self.plan.expr]
+        tensors += [g["lr"] for g in self.opt.param_groups if torch.is_tensor(g["lr"])]
+        return tuple(t.data_ptr() for t in tensors)
+
     def state_tensors(self) -> list[torch.Tensor]:
         """Everything a step writes: parameters, gradients, optimizer state, buffers (not the
         fixed graphs), accumulators, the cursor."""
@@ -304,6 +315,7 @@ class StepRunner:
                 self.step_fn(bucket)
             if self.pool is None:
                 self.pool = graph.pool()
+            self.captured_storage = self.storage()
         except Exception as error:  # noqa: BLE001 - any capture failure falls back to eager
             graph = None
             self.capture = False

@@ -448,6 +448,12 @@ def test_capture_undoes_its_warm_up_and_replays_the_step(lines, capsys, fail):
         assert set(runner.graphs) == buckets and runner.cuda.captures == len(buckets)
         assert runner.cuda.pools == [None] + [("pool", id(runner))] * (len(buckets) - 1)
         assert "capturing" not in err
+        runner.begin_epoch(0)  # a new epoch keeps the graphs; storage that moved drops them
+        assert set(runner.graphs) == buckets
+        group = trainer.opt.param_groups[0]
+        group["lr"] = group["lr"].clone()  # (as loading an optimizer state does)
+        runner.begin_epoch(0)
+        assert runner.graphs == {}
     else:
         assert runner.graphs == {runner.plan.bucket[1]: None} and not runner.capture
         lines_out = [line for line in err.splitlines() if "train.cuda_graphs" in line]
