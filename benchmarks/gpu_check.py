@@ -36,7 +36,9 @@ a check is expected to take on one H100 (16 cores); limit: when it is killed.
            watch that lists every op on a device tensor that makes the host wait for the device
            (_local_scalar_dense, nonzero, masked_select, unique, boolean-mask indexing,
            repeat_interleave without output_size, ...), and on CUDA
-           torch.cuda.set_sync_debug_mode("warn"). Passes when there is none.
+           torch.cuda.set_sync_debug_mode("warn"); also the planned step's function
+           (train.cuda_graphs, called without the capture) in fp32 and bf16. Passes when there
+           is none.
 Stage speed: one check at a time (they time the GPU).
   screen      budget 75 s, limit 150 s. A Norman-size screen with Norman's mix of conditions
               (5,000 genes, 105 single and 131 double perturbations, 100-300 cells each, 5,000
@@ -44,10 +46,16 @@ Stage speed: one check at a time (they time the GPU).
               graphs in the memory-mapped store the next checks open; its composition and the
               distinct perturbations per batch.
   speed_b32   budget 75 s, limit 150 s. Training cells/s at batch 32: the engine eager in fp32
-              and bf16 and compiled (train.compile) in bf16, beside bench_train's bare per-cell
-              layers bound in fp32 and bf16, timed alike on the same device: one warm-up call
-              each (compiling, timed), then the median of interleaved blocks of steps, each
-              between device synchronisations.
+              and bf16 and compiled (train.compile) in bf16, and the planned step replayed as
+              CUDA graphs (train.cuda_graphs, gears/graph_step.py) in fp32, bf16 and compiled
+              bf16, beside bench_train's bare per-cell layers bound in fp32 and bf16, timed
+              alike on the same device: one warm-up call each (compiling and capturing, timed),
+              then the median of interleaved blocks of steps, each between device
+              synchronisations. Per engine row also (CUDA) one block under torch.profiler (host ms,
+              summed kernel ms and kernels per step), whether graphs were captured, peak
+              memory; graphs vs eager (step ms, cells/s) and the largest parameter difference
+              of the two fp32 steps after 20 steps from the same start. The CPU twin times
+              eager fp32 and bf16 and graphs fp32 (the planned step, not captured).
   speed_b256  budget 90 s, limit 150 s. The same at batch 256.
   Targets (TARGETS): at least 10,000 cells/s at batch 32 and 50,000 at batch 256, and at least
   0.8 of the bound of the same precision, for every engine configuration (CPU: reported only).
@@ -156,8 +164,17 @@ NO_SYNC_LAYOUTS = (("random", 32), ("random", 128), ("grouped", 32))
 NORMAN_MIX = dict(genes=5000, singles=105, doubles=131, cells=(100, 300), controls=5000, distinct=8)
 QUICK_MIX = dict(genes=300, singles=105, doubles=131, cells=(10, 30), controls=500, distinct=8)
 # (label, train.precision, train.compile)
-ENGINE_CONFIGS = (("eager fp32", "fp32", False), ("eager bf16", "bf16", False))
-ENGINE_CONFIGS += (("compiled bf16", "bf16", True),)
+# (label, precision, train.compile, train.cuda_graphs): eager steps, and the planned step
+# (gears/graph_step.py) replayed as CUDA graphs (on the CPU twin: the same step, not captured).
+ENGINE_CONFIGS = (("eager fp32", "fp32", False, False), ("eager bf16", "bf16", False, False))
+ENGINE_CONFIGS += (("compiled bf16", "bf16", True, False),)
+ENGINE_CONFIGS += (("graphs fp32", "fp32", False, True), ("graphs bf16", "bf16", False, True))
+ENGINE_CONFIGS += (("graphs+compiled bf16", "bf16", True, True),)
+# The CPU twin times these (each planned configuration costs a dense 5,000 x 5,000 product a
+# step on the CPU); the rest run on a GPU only.
+CPU_CONFIGS = ("eager fp32", "eager bf16", "graphs fp32")
+# The planned step against the eager one from the same start: parameters after this many steps.
+AGREEMENT_STEPS = 20
 LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK")
 LAUNCH_PREFIXES = ("SLURM_", "TORCHELASTIC_", "GEARS_FAULT", "TORCH_DISABLE_SHARE")
 
@@ -551,9 +568,12 @@ def child_screen(spec: dict) -> dict:
     }
 
 
-def engine_runner(pert_data, net0, batch: int, steps: int, precision: str, compiled: bool, device):
+def engine_runner(
+    pert_data, net0, batch: int, steps: int, precision: str, compiled: bool, device, graphs=False
+):
     """A closure running Trainer.train_epoch over `steps` random batches (the loader keeps the
-    matrix on the GPU when it fits, as train_single.py does) -> the cells trained."""
+    matrix on the GPU when it fits, as train_single.py does) -> the cells trained; its Trainer
+    is the closure's `trainer`. graphs: train.cuda_graphs."""
     import copy
     import itertools
 
@@ -562,7 +582,12 @@ def engine_runner(pert_data, net0, batch: int, steps: int, precision: str, compi
     from gears.engine import Trainer
 
     cfg = TrainConfig(
-        epochs=1, batch_size=batch, precision=precision, compile=compiled, limit_batches=steps
+        epochs=1,
+        batch_size=batch,
+        precision=precision,
+        compile=compiled,
+        limit_batches=steps,
+        cuda_graphs=graphs,
     )
     trainer = Trainer(
         copy.deepcopy(net0), pert_data, cfg, ModelConfig(hidden_size=64), DistEnv(device=device)
@@ -577,7 +602,56 @@ def engine_runner(pert_data, net0, batch: int, steps: int, precision: str, compi
     def run() -> int:
         return trainer.train_epoch(loader, next(epochs), progress=False)[1]
 
+    run.trainer = trainer
     return run
+
+
+def profile_block(run, steps: int, cuda: bool, sync) -> dict:
+    """One block of `steps` steps under torch.profiler: the host's wall time per step (with the
+    profiler's own overhead), the summed device kernel time per step and kernels per step (0 on
+    the CPU, which has no kernels apart from the host)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sync()
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        run()
+        sync()
+    wall = time.perf_counter() - t0
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    kernel_us = sum(getattr(e, "device_time_total", 0.0) for e in kernels)
+    return {
+        "host_ms_per_step": round(1e3 * wall / steps, 3),
+        "kernel_ms_per_step": round(kernel_us / 1e3 / steps, 3),
+        "kernels_per_step": round(len(kernels) / steps, 1),
+    }
+
+
+def planned_agreement(pert_data, net0, batch: int, device) -> dict:
+    """The planned step and the eager one, fp32, from the same start over AGREEMENT_STEPS
+    batches: the largest parameter (and buffer) difference, and whether graphs were captured."""
+    trained = {}
+    for graphs in (False, True):
+        run = engine_runner(pert_data, net0, batch, AGREEMENT_STEPS, "fp32", False, device, graphs)
+        run()
+        trained[graphs] = run.trainer
+    eager, planned = trained[False].net.state_dict(), trained[True].net.state_dict()
+    worst, name = 0.0, ""
+    for key, value in eager.items():
+        if value.is_floating_point():
+            diff = float((planned[key].double() - value.double()).abs().max())
+            if diff > worst:
+                worst, name = diff, key
+    runner = trained[True].runner
+    return {
+        "steps": AGREEMENT_STEPS,
+        "max_param_diff": worst,
+        "worst_param": name,
+        "planned": runner is not None,
+        "graphs_captured": sorted(runner.graphs) if runner is not None else [],
+    }
 
 
 def child_speed(spec: dict) -> dict:
@@ -604,12 +678,14 @@ def child_speed(spec: dict) -> dict:
         label = f"bound {precision}"
         runners[label] = bare_runner(pert_data.n_genes, 64, batch, precision, steps, device)
         rows[label] = {"config": label, "kind": "bound", "precision": precision}
-    for label, precision, compiled in ENGINE_CONFIGS:
+    for label, precision, compiled, graphs in ENGINE_CONFIGS:
         if label not in spec["configs"]:
             continue
-        runners[label] = engine_runner(pert_data, net0, batch, steps, precision, compiled, device)
+        runners[label] = engine_runner(
+            pert_data, net0, batch, steps, precision, compiled, device, graphs
+        )
         rows[label] = {"config": label, "kind": "engine", "precision": precision}
-        rows[label]["compiled"] = compiled
+        rows[label].update(compiled=compiled, graphs=graphs)
     for label, run in runners.items():  # warm-up (compiling, for compiled configurations)
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
@@ -633,7 +709,31 @@ def child_speed(spec: dict) -> dict:
         median = statistics.median(seconds[label])
         row["cells_per_s"] = round(row.pop("cells") / median, 1)
         row["step_ms"] = round(1e3 * median / steps, 3)
+        trainer = getattr(runners[label], "trainer", None)
+        if trainer is None:
+            continue
+        runner = trainer.runner
+        row["planned"] = runner is not None
+        row["graphs_captured"] = sorted(runner.graphs) if runner is not None else []
+        if not cuda:  # (the CPU profiler's overhead is seconds a step on Norman's screen)
+            continue
+        try:  # host time against kernel time (a profiler failure costs the figures only)
+            row.update(profile_block(runners[label], steps, cuda, sync))
+        except Exception as e:  # noqa: BLE001
+            row["profile_error"] = f"{type(e).__name__}: {e}"[:300]
+    extra = {}
+    for precision in ("fp32", "bf16"):
+        eager, planned = rows.get(f"eager {precision}"), rows.get(f"graphs {precision}")
+        if eager and planned:
+            extra[f"graphs_vs_eager_{precision}"] = {
+                "step_ms": [planned["step_ms"], eager["step_ms"]],
+                "cells_per_s": [planned["cells_per_s"], eager["cells_per_s"]],
+                "speedup": round(eager["step_ms"] / max(planned["step_ms"], 1e-9), 2),
+            }
+    if "graphs fp32" in rows and "eager fp32" in rows:
+        extra["agreement"] = planned_agreement(pert_data, net0, batch, device)
     return {
+        **extra,
         "batch": batch,
         "steps": steps,
         "repeats": repeats,
@@ -641,6 +741,19 @@ def child_speed(spec: dict) -> dict:
         "rows": list(rows.values()),
         **cuda_probe(),
     }
+
+
+def cuda_sync_warnings(caught) -> list[str]:
+    """The warnings of synchronizing CUDA operations among those recorded (the sync debug
+    mode's "warn"), as "CUDA: <message>". Not the notice torch prints the first time the mode
+    is switched on in a process ("Synchronization debug mode is a prototype feature..."),
+    which named no operation and failed the first row of every run."""
+    found = []
+    for w in caught:
+        text = str(w.message)
+        if "synchroniz" in text.lower() and "prototype feature" not in text:
+            found.append(f"CUDA: {text}")
+    return found
 
 
 def row_layout_name(layout) -> str:
@@ -714,7 +827,7 @@ def child_no_sync(spec: dict) -> dict:
                     except HostReadError as e:
                         found.append(f"host read: {str(e)[:300]}")
                 found += watched
-                found += [f"CUDA: {w.message}" for w in caught if "synchroniz" in str(w.message)]
+                found += cuda_sync_warnings(caught)
                 steps += 1
             rows.append(
                 {
@@ -722,7 +835,53 @@ def child_no_sync(spec: dict) -> dict:
                     "layouts": sorted(layouts), "steps": steps, "syncs": sorted(set(found)),
                 }
             )  # fmt: skip
+        if precision != "fp16":  # (fp16 keeps eager steps)
+            rows.append(planned_no_sync(pert_data, net0, precision, device))
     return {"rows": rows, **cuda_probe()}
+
+
+def planned_no_sync(pert_data, net0, precision: str, device) -> dict:
+    """The planned step (train.cuda_graphs, gears/graph_step.py) called eagerly, not captured,
+    under the same watch: the step function a CUDA graph would hold makes no host sync."""
+    import copy
+    import warnings
+
+    import torch
+
+    from gears.config import ModelConfig, TrainConfig
+    from gears.distributed import DistEnv
+    from gears.engine import Trainer, set_train_mode
+
+    cfg = TrainConfig(batch_size=32, precision=precision, cuda_graphs=True)
+    trainer = Trainer(
+        copy.deepcopy(net0), pert_data, cfg, ModelConfig(hidden_size=32), DistEnv(device=device)
+    )
+    loader = pert_data.get_dataloader(32, 64, device=device)["train_loader"]
+    runner = trainer.step_runner(loader)
+    row = {"precision": precision, "batching": "random", "batch": 32, "layouts": []}
+    if runner is None:
+        return {**row, "steps": 0, "syncs": ["the planned step was refused (see the log)"]}
+    runner.capture = False
+    set_train_mode(trainer.model, trainer.net, False)
+    loader.set_epoch(1)
+    runner.plan.set_epoch(1)
+    runner.begin_epoch(0)
+    found, steps = [], 0
+    for i in range(min(6, len(runner.plan))):
+        if i < 2:  # warm-up: the first step allocates gradients and optimizer state
+            runner.run(i)
+            continue
+        with contextlib.ExitStack() as stack:
+            caught = stack.enter_context(warnings.catch_warnings(record=True))
+            warnings.simplefilter("always")
+            if device.type == "cuda":
+                torch.cuda.set_sync_debug_mode("warn")
+                stack.callback(torch.cuda.set_sync_debug_mode, "default")
+            watched = stack.enter_context(watch_host_syncs())
+            runner.run(i)
+        found += watched + cuda_sync_warnings(caught)
+        steps += 1
+    return {**row, "layouts": ["planned step"], "steps": steps, "syncs": sorted(set(found))}
 
 
 # ============================================================================ helpers
@@ -1166,7 +1325,7 @@ def check_speed(run: CheckRun, batch: int) -> dict:
     if ctx.results.get("screen", {}).get("status") != "pass":
         return result("fail", "no screen (the screen check did not pass)")
     configs = [
-        label for label, _, compiled in ENGINE_CONFIGS if not compiled or ctx.device == "cuda"
+        label for label, *_ in ENGINE_CONFIGS if ctx.device == "cuda" or label in CPU_CONFIGS
     ]
     if ctx.device == "cuda" and not ctx.native_bf16:
         configs = [c for c in configs if "bf16" not in c]
@@ -1180,13 +1339,20 @@ def check_speed(run: CheckRun, batch: int) -> dict:
     got = read_json(out)
     if why := cuda_evidence(run, out):
         return result("fail", why, **got)
-    skipped = [label for label, _, _ in ENGINE_CONFIGS if label not in configs]
+    skipped = [label for label, *_ in ENGINE_CONFIGS if label not in configs]
     note = (
-        f"; {', '.join(skipped)} skipped (inductor on the CPU builds C++ for minutes)"
+        f"; {', '.join(skipped)} skipped (CPU twin: inductor builds C++ for minutes, the "
+        "planned bf16 step repeats the fp32 one)"
         if skipped
         else ""
     )
     line = ", ".join(f"{r['config']} {r['cells_per_s']:.0f}" for r in got["rows"])
+    if "agreement" in got:
+        agreement = got["agreement"]
+        line += (
+            f"; graphs vs eager after {agreement['steps']} steps: max parameter difference "
+            f"{agreement['max_param_diff']:.2e}"
+        )
     return result("pass", f"batch {batch} cells/s: {line}{note}", **got)
 
 

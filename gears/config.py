@@ -148,6 +148,10 @@ class TrainConfig:
     log_every: int = 50
     plot_conditions: int = 4
     compile: bool = False  # torch.compile the network (distinct-perturbation rows bucketed)
+    # The training step replayed as one CUDA graph per shape bucket, fed by an epoch plan on the
+    # device (gears/graph_step.py): null = auto (on with CUDA, off on CPU) | true | false. true
+    # on CPU runs the same planned step without the capture.
+    cuda_graphs: bool | None = None
     threads: int = 0  # torch/numba CPU threads after the data is built; 0 = leave as is
     # Which epoch's weights the run keeps: last (the final model), val_mse (lowest validation mse
     # over all genes) or val_mse_de (lowest validation mse on the top-20 DE genes, GEARS's rule).

@@ -97,16 +97,25 @@ def optimizer_kernel(optimizer: str, device: torch.device) -> dict[str, bool | N
 
 
 def make_optimizer(
-    params, cfg: TrainConfig, device: torch.device | None = None
+    params, cfg: TrainConfig, device: torch.device | None = None, capturable: bool = False
 ) -> torch.optim.Optimizer:
-    """Adam with L2 weight decay, as GEARS (adamw and plain sgd on request)."""
+    """Adam with L2 weight decay, as GEARS (adamw and plain sgd on request). capturable: Adam
+    and AdamW keep their step count on the device and take a tensor learning rate (the planned
+    step, gears/graph_step.py, replays them inside a CUDA graph)."""
     kinds = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
     if cfg.optimizer not in CHOICES["train.optimizer"]:
         raise GearsInputError(
             f"unknown train.optimizer {cfg.optimizer!r}: {CHOICES['train.optimizer']}"
         )
     kernel = optimizer_kernel(cfg.optimizer, device or torch.device("cpu"))
+    if capturable and cfg.optimizer in ("adam", "adamw"):
+        kernel["capturable"] = True
     return kinds[cfg.optimizer](params, lr=cfg.lr, weight_decay=cfg.weight_decay, **kernel)
+
+
+def planned_step_wanted(setting, device: torch.device) -> bool:
+    """train.cuda_graphs: null (auto) is on with CUDA and off on CPU; true / false as given."""
+    return device.type == "cuda" if setting is None else bool(setting)
 
 
 def make_scheduler(opt: torch.optim.Optimizer, cfg: TrainConfig):
@@ -156,6 +165,41 @@ class NonFiniteWatch:
         self.first_bad = torch.full_like(self.first_bad, -1)
         self.recorded = []
         return taken
+
+
+class PlannedWatch:
+    """NonFiniteWatch's interface over the planned step's device flag (the first batch of the
+    epoch whose loss was not finite, -1 for none): take() returns it and the batches' (step,
+    batch number, condition ids) by batch index, then clears the flag."""
+
+    def __init__(self, trainer: Trainer, runner):
+        self.trainer, self.runner = trainer, runner
+        self.steps: dict[int, int] = {}
+
+    def take(self) -> tuple[torch.Tensor, PlannedWatch]:
+        first_bad = self.runner.first_bad.clone()
+        self.runner.first_bad.fill_(-1)
+        return first_bad, self
+
+    def __getitem__(self, i: int):
+        plan = self.runner.plan
+        uniq = plan.host["uniq_cond"][i][: int(plan.host["n_groups"][i])]
+        return self.steps.get(i, -1), i + 1, torch.from_numpy(uniq)
+
+
+def planned_step_refusal(trainer: Trainer, loader) -> str | None:
+    """Why the planned step cannot train this run (None: it can). fp16's GradScaler, gradient
+    accumulation and DDP stay eager for now."""
+    cfg = trainer.cfg
+    if not hasattr(loader, "batch_sampler") or not hasattr(loader, "dataset"):
+        return "the training loader is no EpochLoader"
+    if trainer.scaler.is_enabled():
+        return "train.precision=fp16 (GradScaler) is not planned yet"
+    if cfg.grad_accum_steps > 1:
+        return "train.grad_accum_steps > 1 is not planned yet"
+    if trainer.env.distributed:
+        return "several processes (DDP) are not planned yet"
+    return None
 
 
 class TrainProgress:
@@ -375,7 +419,11 @@ class Trainer:
         check_impl(model_cfg, train_cfg, dist_cfg)
         check_network(self.net, train_cfg, dist_cfg)
         self.model = wrap_for_training(self.net, env, dist_cfg, train_cfg.compile)
-        self.opt = make_optimizer(self.net.parameters(), train_cfg, self.device)
+        # The planned step (train.cuda_graphs): built at the first epoch (StepRunner), or None
+        # with the reason it cannot run printed once; eager steps then.
+        self.planned = planned_step_wanted(train_cfg.cuda_graphs, self.device)
+        self.runner = None
+        self.opt = make_optimizer(self.net.parameters(), train_cfg, self.device, self.planned)
         self.sched = make_scheduler(self.opt, train_cfg)
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.amp_dtype == torch.float16)
         self.params = [p for p in self.net.parameters() if p.requires_grad]  # for clipping
@@ -467,6 +515,9 @@ class Trainer:
     def train_epoch(self, loader, epoch: int, progress: bool = True) -> tuple[float, int]:
         """One pass over this rank's shard: train_step on each batch, and at step boundaries the
         stop / non-finite check. Returns (mean loss over ranks, cells seen by all ranks)."""
+        runner = self.step_runner(loader)
+        if runner is not None:
+            return self.train_epoch_planned(runner, loader, epoch, progress)
         set_train_mode(self.model, self.net, self.cfg.freeze_batchnorm)
         loader.set_epoch(epoch)
         accum = self.cfg.grad_accum_steps
@@ -497,6 +548,66 @@ class Trainer:
                         return stop_mid_epoch(self, epoch, i + 1, totals)
             log.batch_done(i, loss)
         log.close()
+        mean_loss = to_host(all_reduce_mean(self.env, totals.loss_sum / max(n_batches, 1))).item()
+        self.history.skipped_steps.append(self.skipped_steps - skipped_before)
+        return mean_loss, totals.cells * self.env.world_size
+
+    # ------------------------------------------------------------------- the planned step
+    def step_runner(self, loader):
+        """The planned step's runner for this loader (gears/graph_step.py), or None: not asked
+        for, or not possible here (one line says why, once)."""
+        if not self.planned:
+            return None
+        if self.runner is not None and self.runner.plan.loader is loader:
+            return self.runner
+        from gears.graph_step import EpochPlan, PlanUnsupported, StepRunner
+
+        why = planned_step_refusal(self, loader)
+        plan = None
+        if why is None:
+            try:
+                plan = EpochPlan(loader, self.device, self.per_cell)
+                plan.build(0)  # (raises PlanUnsupported for batches of unequal size)
+            except PlanUnsupported as refused:
+                why = str(refused)
+        if why is not None:
+            self.planned = False
+            if self.env.is_main:
+                print(f"train.cuda_graphs: {why}; training with eager steps", flush=True)
+            return None
+        fixed_shape = getattr(self.net, "fixed_shape_graphs", None)
+        if fixed_shape is not None:
+            fixed_shape()  # graph propagation without a sparse tensor built per call
+        self.runner = StepRunner(self, plan, capture=self.device.type == "cuda")
+        return self.runner
+
+    def train_epoch_planned(self, runner, loader, epoch: int, progress: bool):
+        """train_epoch with the planned step: the epoch laid out and uploaded once, then one
+        replay per batch; the same checks at the same step boundaries."""
+        set_train_mode(self.model, self.net, self.cfg.freeze_batchnorm)
+        loader.set_epoch(epoch)
+        runner.plan.set_epoch(epoch)
+        n_batches = min(len(runner.plan), self.cfg.limit_batches or len(runner.plan))
+        totals = epoch_position(self, epoch)
+        skipped_before = self.skipped_steps
+        runner.begin_epoch(totals.start)
+        watch = PlannedWatch(self, runner)
+        log = TrainProgress(self, epoch, n_batches, totals.start, progress)
+        for i in range(totals.start, n_batches):
+            runner.run(i)
+            self.step += 1
+            watch.steps[i] = self.step
+            totals.cells += runner.plan.batch_size
+            self.faults.after_step(epoch, self.step)
+            if self.step % self.check_every == 0 or i + 1 == n_batches:
+                stop = self.check_step(epoch, watch)
+                if stop and i + 1 < n_batches:
+                    totals.loss_sum += runner.loss_sum
+                    log.close()
+                    return stop_mid_epoch(self, epoch, i + 1, totals)
+            log.batch_done(i, runner.last_loss)
+        log.close()
+        totals.loss_sum += runner.loss_sum
         mean_loss = to_host(all_reduce_mean(self.env, totals.loss_sum / max(n_batches, 1))).item()
         self.history.skipped_steps.append(self.skipped_steps - skipped_before)
         return mean_loss, totals.cells * self.env.world_size
@@ -626,6 +737,8 @@ class Trainer:
         """Continue from the newest readable checkpoint in out_dir/checkpoints, if any, when any
         rank asks (gears.training_state.resume). Every rank calls this."""
         kernel = optimizer_kernel(self.cfg.optimizer, self.device)
+        if self.planned and self.cfg.optimizer in ("adam", "adamw"):
+            kernel["capturable"] = True  # (a checkpoint of eager steps names False)
         if not resume(self, asked, kernel):
             return False
         self.resumed = True

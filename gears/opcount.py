@@ -162,6 +162,55 @@ class OpCounter(TorchDispatchMode):
         return sum(self.counts.values())
 
 
+class OpRecorder(TorchDispatchMode):
+    """Records every aten op dispatched while active, forward and backward, as (op name, its
+    arguments with each tensor written as (shape, dtype) and everything else as it is): two
+    calls that record the same list dispatch the same kernels in the same shapes, the condition
+    for replaying them as one CUDA graph (gears/graph_step.py). Profiler markers (the
+    optimizer's record_function) launch nothing and are left out."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[tuple] = []
+
+    def _arg(self, value):
+        if torch.is_tensor(value):
+            return ("tensor", tuple(value.shape), str(value.dtype))
+        if isinstance(value, (list, tuple)):
+            return tuple(self._arg(v) for v in value)
+        if isinstance(value, dict):
+            return tuple((k, self._arg(v)) for k, v in value.items())
+        return repr(value)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not str(func).startswith("profiler."):
+            self.ops.append((str(func), self._arg(args), self._arg(kwargs)))
+        return func(*args, **kwargs)
+
+
+class HostTensorWatch(TorchDispatchMode):
+    """Every op, forward and backward, that reads a tensor of one or more dimensions that is
+    neither device data given up front (`device`: the plan, the parameters, gradients,
+    optimizer state, buffers and accumulators, by storage) nor the output of an earlier op
+    while active: a tensor that came from the host (`found`, with the project line that called
+    the op). A step that reads only device data reads none."""
+
+    def __init__(self, device: Iterable[torch.Tensor]):
+        super().__init__()
+        self.known = {t.untyped_storage().data_ptr() for t in device}
+        self.found: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for t in _tensors((args, kwargs)):
+            if t.dim() > 0 and t.untyped_storage().data_ptr() not in self.known:
+                self.found.append(f"{func} {tuple(t.shape)} at {project_line()}")
+        out = func(*args, **kwargs)
+        self.known.update(t.untyped_storage().data_ptr() for t in _tensors(out))
+        return out
+
+
 _HOST_READERS = ("tolist", "numpy", "__array__")
 
 

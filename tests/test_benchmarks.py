@@ -205,6 +205,28 @@ def test_a_killed_harness_leaves_no_child_behind(tmp_path, sig):
     )  # fmt: skip
 
 
+def test_no_sync_counts_cuda_sync_warnings_not_the_debug_mode_notice():
+    """child_no_sync's reading of the warnings torch.cuda.set_sync_debug_mode("warn") raises:
+    the notice printed the first time the mode is switched on (it contains "Synchronization")
+    is no sync; the warning of a synchronizing CUDA operation is."""
+    import warnings
+
+    from gpu_check import cuda_sync_warnings
+
+    notice = (
+        "Synchronization debug mode is a prototype feature and does not yet detect all "
+        "synchronizing operations"
+    )
+    sync = "called a synchronizing CUDA operation"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings.warn(notice, UserWarning, stacklevel=1)
+        warnings.warn("an unrelated warning", UserWarning, stacklevel=1)
+        assert cuda_sync_warnings(caught) == []
+        warnings.warn(sync, UserWarning, stacklevel=1)
+    assert cuda_sync_warnings(caught) == [f"CUDA: {sync}"]
+
+
 def test_host_sync_watch_names_each_kind_of_sync(monkeypatch):
     """gpu_check's watch (the stand-in's device tensors standing in for CUDA ones): every op
     that makes the host wait for a device tensor is listed with its line, nothing else is."""
@@ -279,7 +301,9 @@ def test_gpu_check_correctness_on_cpu_trains_and_reports_each_check(tmp_path):
     assert ddp["status"] == "fail" and "injected failure" in ddp["reason"]
     assert no_sync["status"] == "pass", no_sync["reason"]
     layouts = {lay for row in no_sync["rows"] for lay in row["layouts"]}
-    assert {"equal counts", "per-cell rows", "weighted rows"} <= layouts
+    assert {"equal counts", "per-cell rows", "weighted rows", "planned step"} <= layouts
+    planned = [row for row in no_sync["rows"] if row["layouts"] == ["planned step"]]
+    assert planned and all(row["steps"] == 4 and row["syncs"] == [] for row in planned)
     assert doc["failed"] == [f"ddp: {ddp['reason']}"]
     table = out.stdout[out.stdout.index("check ") :]
     assert re.search(r"train\s+pass\s+\d+\s+150", table) and re.search(r"ddp\s+fail", table)
@@ -306,10 +330,16 @@ def test_gpu_check_speed_on_cpu_measures_norman_mix_against_the_targets(tmp_path
     assert 10 <= screen["cells_per_condition"]["min"] <= screen["cells_per_condition"]["max"] <= 30
     assert screen["control_cells"] == 500
     rows = {r["config"]: r for r in speed["rows"]}
-    assert set(rows) == {"bound fp32", "bound bf16", "eager fp32", "eager bf16"}
+    assert set(rows) == {"bound fp32", "bound bf16", "eager fp32", "eager bf16", "graphs fp32"}
     assert all(r["cells_per_s"] > 0 and r["warmup_s"] > 0 for r in rows.values())
+    # the planned step ran (not captured on the CPU), beside the eager one from one start
+    assert rows["graphs fp32"]["planned"] and rows["graphs fp32"]["graphs_captured"] == []
+    assert not rows["eager fp32"]["planned"]
+    agreement = speed["agreement"]
+    assert agreement["steps"] == 20 and agreement["planned"] and agreement["max_param_diff"] >= 0
+    assert set(speed["graphs_vs_eager_fp32"]) == {"step_ms", "cells_per_s", "speedup"}
     targets = {t["config"]: t for t in doc["targets"]}
-    assert set(targets) == {"eager fp32", "eager bf16"}
+    assert set(targets) == {"eager fp32", "eager bf16", "graphs fp32"}
     for config, t in targets.items():
         bound = rows[f"bound {rows[config]['precision']}"]["cells_per_s"]
         assert t["batch"] == 32 and t["target"] == 10_000 and t["min_x_bound"] == 0.8

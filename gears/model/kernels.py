@@ -753,7 +753,11 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def propagate(x: torch.Tensor, graph: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """A @ x for graph = (crow, col, values, crow_t, col_t, values_t), GEARSNet's fixed
     propagation matrix and its transpose: the autograd Function in eager mode, the custom op
-    under torch.compile (_GraphPropagateFn)."""
+    under torch.compile (_GraphPropagateFn); graph = (dense [N, N],): a dense product (in fp32
+    for half-precision x, as the sparse one)."""
+    if len(graph) == 1:
+        with torch.autocast(x.device.type, enabled=False):
+            return torch.mm(graph[0].to(statistics_dtype(x)), x.to(statistics_dtype(x)))
     if torch.compiler.is_compiling():
         return graph_propagate(*graph, x)
     return _GraphPropagateFn.apply(*graph, x)

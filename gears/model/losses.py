@@ -6,15 +6,22 @@ import torch
 
 
 def _group_weights(
-    inverse: torch.Tensor, counts: torch.Tensor, gene_mask: torch.Tensor
+    inverse: torch.Tensor,
+    counts: torch.Tensor,
+    gene_mask: torch.Tensor,
+    n_groups: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-example weight 1 / (U * n_group * genes_in_mask): GEARS's mean over groups of means.
 
     inverse [B] group of each example, counts [U] examples per group, gene_mask [U, G] bool.
-    -> [B, G] weights, zero outside each group's gene mask.
+    n_groups: U as a 0-dim tensor when the groups are padded (padding groups: count 0, no
+    example) -> [B, G] weights, zero outside each group's gene mask.
     """
     n_genes = gene_mask.sum(1).clamp(min=1).to(counts.dtype)  # [U]
-    per_group = 1.0 / (counts.shape[0] * counts * n_genes)  # [U]
+    if n_groups is None:
+        per_group = 1.0 / (counts.shape[0] * counts * n_genes)  # [U]
+    else:  # (padding groups clamped to 1 cell: finite, and read by no example)
+        per_group = 1.0 / (n_groups * counts.clamp(min=1) * n_genes)
     return gene_mask.to(counts.dtype)[inverse] * per_group[inverse].unsqueeze(1)
 
 
@@ -68,6 +75,7 @@ def gears_loss(
     direction_temperature: float = 0.1,
     logvar: torch.Tensor | None = None,
     uncertainty_reg: float = 1.0,
+    n_groups: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mean over perturbation groups of mean |pred - y|^(2+gamma) on the group's expressed genes,
     plus `direction_lambda` x mean (sign(y - ctrl) - tanh((pred - ctrl)/T))^2.
@@ -76,9 +84,10 @@ def gears_loss(
     non-zero mean in the perturbation; every gene for control); ctrl_mean [G].
     With `logvar` [B, G] the focal term becomes err + reg * (exp(-logvar) * err + logvar): the
     Gaussian negative log-likelihood term that GEARS's uncertainty loss lacks (without the
-    `+ logvar` penalty, logvar -> +inf minimises it).
+    `+ logvar` penalty, logvar -> +inf minimises it). n_groups: the real groups (a 0-dim
+    tensor) when counts [U] is padded with groups of count 0 (gears/graph_step.py).
     """
-    weights = _group_weights(inverse, counts.float(), gene_mask)
+    weights = _group_weights(inverse, counts.float(), gene_mask, n_groups)
     if logvar is None:
         return _FocalDirectionLossFn.apply(
             pred.float(),

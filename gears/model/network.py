@@ -8,10 +8,13 @@ sparse graph product, the per-gene layers) are in gears/model/kernels.py.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
 from gears.config import ModelConfig
+from gears.device import to_device, to_host
 from gears.errors import GearsInputError
 from gears.model import reference
 from gears.model.batch import ModelBatch
@@ -27,6 +30,10 @@ from gears.model.kernels import (
     statistics_dtype,
 )
 from gears.model.reference import gears_layers
+
+# fixed_shape_graphs: a propagation matrix up to this size becomes a dense [N, N] buffer
+# (20,000 genes: 1.6 GB in fp32, beyond it; 5,000 genes: 100 MB).
+DENSE_GRAPH_BYTES = 1 << 30
 
 
 class FixedGraphConv(nn.Module):
@@ -131,8 +138,31 @@ class GEARSNet(nn.Module):
         construction, so DDP must not broadcast them each step."""
         return list(self._graph_buffers)
 
+    def fixed_shape_graphs(self, limit_bytes: int = DENSE_GRAPH_BYTES) -> None:
+        """Propagate over the GO and co-expression graphs as dense [N, N] products from now on
+        (each one's matrix at most limit_bytes; a larger one keeps the sparse product): no
+        sparse tensor is built per call, so a captured step (gears/graph_step.py) holds only
+        fixed-shape kernels. Same products to float rounding (summation order)."""
+        for name in ("co",) if self.go_rows_gathered else ("go", "co"):
+            if hasattr(self, f"{name}_adj_dense"):
+                continue
+            crow, col, values = self._graph(name)[:3]
+            n = crow.numel() - 1
+            if n * n * values.element_size() > limit_bytes:
+                continue
+            with warnings.catch_warnings():  # (the CSR layout is labelled beta)
+                warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+                dense = torch.sparse_csr_tensor(
+                    to_host(crow), to_host(col), to_host(values), (n, n), check_invariants=False
+                ).to_dense()
+            self._register_graph(f"{name}_adj_dense", to_device(dense, crow.device))
+
     def _graph(self, name: str) -> tuple[torch.Tensor, ...]:
-        """(crow, col, values, crow_t, col_t, values_t) of the "go" or "co" propagation matrix."""
+        """(crow, col, values, crow_t, col_t, values_t) of the "go" or "co" propagation matrix,
+        or (dense,) after fixed_shape_graphs."""
+        dense = getattr(self, f"{name}_adj_dense", None)
+        if dense is not None:
+            return (dense,)
         parts = ("crow", "col", "values")
         return tuple(
             getattr(self, f"{name}_adj_{p}{suffix}") for suffix in ("", "_t") for p in parts

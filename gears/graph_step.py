@@ -1,0 +1,393 @@
+"""The training step as one fixed-shape function per shape bucket, fed by an epoch plan on the
+device, and replayed as a CUDA graph (train.cuda_graphs).
+
+On a GPU this model is host-bound (../DESIGN.md section 3): a batch-32 step is < 1 ms of GPU
+work and ~14 ms of host time. Two pieces remove the host from the step:
+
+`EpochPlan` lays a whole epoch out at `set_epoch`, vectorised over every batch at once, and
+uploads it once: each batch's expression rows (x and y), its distinct groups padded to a shape
+bucket (perturbations, conditions, covariate codes, counts 0 for padding rows), each cell's
+group (`inverse`) and the number of groups (a device number). A step reads batch `cursor` (a
+device counter it advances itself): no host work, no host-to-device copy. The batches are the
+training loader's, batch for batch (tests/test_graph_step.py).
+
+`StepRunner` runs forward, loss, backward, gradient clipping and the optimizer step on that plan
+as one function per bucket, always in the same shapes (the distinct rows padded with rows that
+weigh 0), with the parameters, gradients (allocated once, zeroed inside the step), optimizer
+state (fused Adam, capturable, a tensor learning rate the schedule fills in place) and the
+accumulators (loss sum, first non-finite batch) keeping their storage. On CUDA each bucket's
+step is captured once as a CUDA graph (after a warm-up on a side stream, all graphs in one
+memory pool) and replayed; on CPU the same function is called on the same buffers, so that
+everything but the capture call runs in every test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from gears.device import to_device
+from gears.model.batch import ModelBatch, predicted_expression, split_output
+from gears.model.kernels import gather_rows
+from gears.model.losses import gears_loss
+from gears.torch_compat import compiled_backward_config
+
+# A batch's distinct groups are padded to one of this many sizes (multiples of 8 up to the
+# batch size): U distinct groups take the smallest bucket >= U.
+BUCKET_PARTS = 4
+
+
+class PlanUnsupported(Exception):
+    """Why a run cannot take the planned step (the trainer then trains eagerly, saying so)."""
+
+
+def round_up(n: int, k: int = 8) -> int:
+    return -(-int(n) // k) * k
+
+
+def row_buckets(batch_size: int, per_cell: bool = False) -> tuple[int, ...]:
+    """The padded row counts of a batch of batch_size cells: BUCKET_PARTS multiples of 8 up to
+    the batch size rounded up to 8 (batch 32: 8, 16, 24, 32; 256: 64, 128, 192, 256). One
+    bucket (the batch's cells) for a network with one row per cell."""
+    top = round_up(max(batch_size, 1))
+    if per_cell:
+        return (top,)
+    return tuple(
+        sorted({round_up(-(-top * k // BUCKET_PARTS)) for k in range(1, 1 + BUCKET_PARTS)})
+    )
+
+
+def bucket_of(n_rows: np.ndarray, buckets: tuple[int, ...]) -> np.ndarray:
+    """The smallest bucket >= each row count."""
+    return np.asarray(buckets)[np.searchsorted(np.asarray(buckets), n_rows)]
+
+
+class PlanBatch(NamedTuple):
+    """One planned batch on the device, its groups padded to a bucket of R rows (B cells)."""
+
+    x: torch.Tensor  # [B, G]
+    y: torch.Tensor  # [B, G]
+    inverse: torch.Tensor  # [B] long
+    uniq_pert_index: torch.Tensor  # [R, P] long, -1 for padding rows
+    uniq_cond: torch.Tensor  # [R] long, 0 for padding rows
+    counts: torch.Tensor  # [R] float, 0 for padding rows
+    n_groups: torch.Tensor  # [] float: the real groups
+    uniq_covariates: dict[str, torch.Tensor]  # name -> [R] long
+
+
+class EpochPlan:
+    """A training loader's epoch, laid out at set_epoch and uploaded once (see the module's
+    docstring). Every batch must hold the same number of cells (drop_last; not
+    train.batching=grouped, whose mixed steps are smaller)."""
+
+    def __init__(self, loader, device: torch.device, per_cell: bool = False):
+        self.loader, self.dataset = loader, loader.dataset
+        self.device, self.per_cell = torch.device(device), per_cell
+        expr = self.dataset.expr
+        if expr.dense is None:
+            raise PlanUnsupported("the expression matrix is CSR (gathered on the host per batch)")
+        where = expr.dense.device
+        if where.type != self.device.type or self.device.index not in (None, where.index):
+            raise PlanUnsupported(
+                f"the expression matrix is on {where}, not on {self.device} (too large for "
+                "the GPU's memory, or gathered by loader workers: train.num_workers > 0)"
+            )
+        self.expr = expr.dense
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.cursor = to_device(torch.zeros(1, dtype=torch.long), self.device)
+        self.batch_size = 0
+        self.buckets: tuple[int, ...] = ()
+        self.bucket: list[int] = []  # each batch's bucket (host)
+        self.host: dict[str, np.ndarray] = {}
+        self.generation = 0  # bumped when the device storage is reallocated
+
+    def examples(self) -> np.ndarray:
+        """This epoch's batches as [n_batches, B] example ids (the loader's sampler order)."""
+        batches = [np.asarray(list(b), dtype=np.int64) for b in self.loader.batch_sampler]
+        sizes = {len(b) for b in batches}
+        if len(sizes) > 1:
+            raise PlanUnsupported(f"batches of unequal size ({sorted(sizes)} cells)")
+        if not batches:
+            return np.zeros((0, 0), dtype=np.int64)
+        return np.stack(batches)
+
+    def build(self, epoch: int) -> dict[str, np.ndarray]:
+        """The epoch's plan on the host, vectorised over all batches. -> name -> array."""
+        ds = self.dataset
+        examples = self.examples()
+        nb, B = examples.shape
+        flat = examples.reshape(-1)
+        cond = ds.cond[flat]
+        batch_id = np.repeat(np.arange(nb), B)
+        # The per-batch np.unique of ExampleSet.__getitem__ (sorted by condition, then the
+        # covariate codes), for all batches at once: the batch is the leading sort key.
+        key = np.stack([batch_id, cond, *(c[flat] for c in ds.covariates.values())], axis=1)
+        uniq_key, inverse, counts = np.unique(key, axis=0, return_inverse=True, return_counts=True)
+        group_batch = uniq_key[:, 0]
+        n_groups = np.bincount(group_batch, minlength=nb)
+        first = np.cumsum(n_groups) - n_groups
+        slot = np.arange(len(uniq_key)) - first[group_batch]
+        buckets = row_buckets(B, self.per_cell)
+        width = buckets[-1]
+        P = ds.cond_pert_index.shape[1]
+        uniq_cond = np.zeros((nb, width), dtype=np.int64)
+        uniq_cond[group_batch, slot] = uniq_key[:, 1]
+        plan = {
+            "xy_rows": np.concatenate(
+                [ds.control_rows(flat, epoch).reshape(nb, B), ds.rows[flat].reshape(nb, B)], 1
+            ),
+            "inverse": inverse.reshape(nb, B) - first[:, None],
+            "uniq_cond": uniq_cond,
+            "counts": np.zeros((nb, width), dtype=np.float32),
+            "pert": np.full((nb, width, P), -1, dtype=np.int64),
+            "n_groups": n_groups.astype(np.float32),
+        }
+        plan["counts"][group_batch, slot] = counts
+        plan["pert"][group_batch, slot] = ds.cond_pert_index.numpy()[uniq_key[:, 1]]
+        for j, name in enumerate(ds.covariates):
+            codes = np.zeros((nb, width), dtype=np.int64)
+            codes[group_batch, slot] = uniq_key[:, 2 + j]
+            plan[f"cov:{name}"] = codes
+        self.batch_size, self.buckets = B, buckets
+        self.bucket = bucket_of(n_groups, buckets).tolist() if not self.per_cell else [width] * nb
+        return plan
+
+    def set_epoch(self, epoch: int) -> None:
+        """Lay the epoch out and upload it into the same device storage as the last epoch's
+        (reallocated, and `generation` bumped, only when the shapes change)."""
+        host = self.build(epoch)
+        same = host.keys() == self.tensors.keys() and all(
+            tuple(self.tensors[k].shape) == v.shape for k, v in host.items()
+        )
+        if same:
+            for name, array in host.items():
+                self.tensors[name].copy_(torch.from_numpy(array))
+        else:
+            self.tensors = {k: to_device(torch.from_numpy(v), self.device) for k, v in host.items()}
+            self.generation += 1
+        self.host = host
+        self.cursor.fill_(0)
+
+    def __len__(self) -> int:
+        return len(self.bucket)
+
+    def read(self, bucket: int, index: torch.Tensor | int | None = None) -> PlanBatch:
+        """Batch `index` (default: the device cursor, read on the device) padded to `bucket`
+        rows: every op's shape depends on the bucket alone."""
+        t = self.tensors
+        if index is None:
+            index = self.cursor
+        elif isinstance(index, int):
+            index = torch.full((1,), index, dtype=torch.long, device=self.cursor.device)
+
+        def row(name: str) -> torch.Tensor:
+            return t[name].index_select(0, index)[0]
+
+        B = self.batch_size
+        xy = self.expr.index_select(0, row("xy_rows"))
+        covariates = {
+            name.removeprefix("cov:"): row(name)[:bucket] for name in t if name.startswith("cov:")
+        }
+        return PlanBatch(
+            x=xy[:B],
+            y=xy[B:],
+            inverse=row("inverse"),
+            uniq_pert_index=row("pert")[:bucket],
+            uniq_cond=row("uniq_cond")[:bucket],
+            counts=row("counts")[:bucket],
+            n_groups=row("n_groups"),
+            uniq_covariates=covariates,
+        )
+
+
+class StepRunner:
+    """The planned training step of a Trainer (see the module's docstring). `run(i)` trains on
+    the plan's batch i, which must be the cursor's (the runner advances the cursor itself)."""
+
+    def __init__(self, trainer, plan: EpochPlan, capture: bool):
+        self.trainer, self.plan, self.capture = trainer, plan, capture
+        self.net, self.opt = trainer.net, trainer.opt
+        device = trainer.device
+        self.params = [p for p in self.net.parameters() if p.requires_grad]
+        self.loss_sum = to_device(torch.zeros(()), device)
+        self.last_loss = to_device(torch.zeros(()), device)
+        self.first_bad = to_device(torch.full((), -1, dtype=torch.long), device)
+        self.graphs: dict[int, object] = {}
+        self.pool = None
+        self.stepped = False  # the first step allocates the gradients and optimizer state
+        self.generation = plan.generation
+        self.captured_storage: tuple[int, ...] = ()
+        tensor_lr(self.opt)
+
+    # ------------------------------------------------------------------------- the step
+    def step_fn(self, bucket: int) -> None:
+        """One optimizer step on the cursor's batch: forward, loss, backward, clipping, Adam,
+        the accumulators, the cursor. Same ops and shapes for every batch of a bucket."""
+        trainer, plan = self.trainer, self.plan
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if grads:
+            torch._foreach_zero_(grads)
+        batch = plan.read(bucket)
+        loss = planned_loss(trainer, batch)
+        loss.backward()
+        if trainer.cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_value_(self.params, trainer.cfg.grad_clip, foreach=True)
+        self.opt.step()
+        loss = loss.detach()
+        self.last_loss.copy_(loss)
+        self.loss_sum.add_(loss)
+        bad = (self.first_bad < 0) & ~torch.isfinite(loss)
+        self.first_bad.copy_(torch.where(bad, plan.cursor[0], self.first_bad))
+        plan.cursor.add_(1)
+
+    def run(self, i: int) -> None:
+        """Train on batch i (the cursor's): the bucket's graph replayed, or the step called."""
+        bucket = self.plan.bucket[i]
+        if self.plan.generation != self.generation:  # the plan's storage moved: recapture
+            self.graphs.clear()
+            self.generation = self.plan.generation
+        if not self.stepped:  # gradients and optimizer state are created by this first step
+            self.step_fn(bucket)
+            self.stepped = True
+            return
+        if self.capture and bucket not in self.graphs:
+            self.graphs[bucket] = self._capture(bucket)
+        graph = self.graphs.get(bucket)
+        if graph is not None:
+            graph.replay()
+        else:
+            self.step_fn(bucket)
+
+    def begin_epoch(self, start: int) -> None:
+        """At an epoch's start (start > 0: resuming within it): cursor and accumulators; the
+        captured graphs are dropped when any storage they read has moved (a loaded checkpoint's
+        optimizer state, a new learning-rate tensor, the plan reallocated)."""
+        if self.graphs and self.storage() != self.captured_storage:
+            self.graphs.clear()
+        self.plan.cursor.fill_(start)
+        self.loss_sum.zero_()
+        self.first_bad.fill_(-1)
+
+    # ---------------------------------------------------------------------------- capture
+    def storage(self) -> tuple[int, ...]:
+        """The addresses a captured step reads and writes (state, learning rates, plan)."""
+        tensors = self.state_tensors() + list(self.plan.tensors.values()) + [self.plan.expr]
+        tensors += [g["lr"] for g in self.opt.param_groups if torch.is_tensor(g["lr"])]
+        return tuple(t.data_ptr() for t in tensors)
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Everything a step writes: parameters, gradients, optimizer state, buffers (not the
+        fixed graphs), accumulators, the cursor."""
+        graphs = set(getattr(self.net, "graph_buffer_names", list)())
+        out = [p.data for p in self.params]
+        out += [p.grad for p in self.params if p.grad is not None]
+        out += [v for s in self.opt.state.values() for v in s.values() if torch.is_tensor(v)]
+        out += [b for n, b in self.net.named_buffers() if n not in graphs]
+        return out + [self.loss_sum, self.last_loss, self.first_bad, self.plan.cursor]
+
+    # The CUDA API the capture uses, and the graph object of a bucket: torch's, replaced in
+    # tests/test_graph_step.py by a stand-in that runs the captured function on replay (the
+    # warm-up, the undoing of its effects, the pool and the fallback then run on the CPU).
+    cuda = torch.cuda
+
+    def new_graph(self, bucket: int):
+        return torch.cuda.CUDAGraph()
+
+    def _capture(self, bucket: int):
+        """The bucket's step as a CUDA graph: warm-up steps on a side stream (their effects
+        undone), then the capture; None (and one line) when capturing fails: eager steps."""
+        state = self.state_tensors()
+        saved = [t.clone() for t in state]
+        try:
+            cuda = self.cuda
+            side = cuda.Stream()
+            side.wait_stream(cuda.current_stream())
+            with cuda.stream(side):
+                for _ in range(2):
+                    self.step_fn(bucket)
+            cuda.current_stream().wait_stream(side)
+            graph = self.new_graph(bucket)
+            with cuda.graph(graph, pool=self.pool):
+                self.step_fn(bucket)
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.captured_storage = self.storage()
+        except Exception as error:  # noqa: BLE001 - any capture failure falls back to eager
+            graph = None
+            self.capture = False
+            if self.trainer.env.is_main:
+                first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+                print(
+                    f"train.cuda_graphs: capturing the step failed ({type(error).__name__}: "
+                    f"{first}); training with eager steps",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        with torch.no_grad():
+            torch._foreach_copy_(state, saved)
+        return graph
+
+
+def tensor_lr(opt: torch.optim.Optimizer) -> None:
+    """Each parameter group's learning rate as a 0-dim tensor on its parameters' device, which
+    the schedulers then fill in place (a captured step reads it from the same storage). float64
+    on CPU (the Python number's precision, as an eager step), float32 on a GPU (what the fused
+    CUDA kernels read; they compute fp32 parameters' updates in fp32 either way)."""
+    for group in opt.param_groups:
+        lr = group["lr"]
+        if not torch.is_tensor(lr):
+            device = torch.device(group["params"][0].device if group["params"] else "cpu")
+            dtype = torch.float64 if device.type == "cpu" else torch.float32
+            group["lr"] = to_device(torch.tensor(float(lr), dtype=dtype), device)
+
+
+def planned_loss(trainer, batch: PlanBatch) -> torch.Tensor:
+    """The loss of a planned batch: the padded distinct rows weighted by their counts (padding
+    rows weigh 0), or one row per cell for a network that reads x or asks for per-cell rows;
+    GEARS's loss over the real groups (n_groups). Trainer.loss_on's numbers."""
+    B = batch.x.shape[0]
+    codes = {name: batch.uniq_covariates[name] for name in trainer.covariates}
+    if trainer.per_cell:
+        rows = ModelBatch(
+            batch.uniq_pert_index[batch.inverse],
+            1.0,
+            batch.x if trainer.reads_x else None,
+            {k: c[batch.inverse] for k, c in codes.items()},
+        )
+    else:
+        rows = ModelBatch(batch.uniq_pert_index, batch.counts, None, codes, float(B))
+    compiled = trainer.cfg.compile
+    with autocast_uncached(trainer), compiled_backward_config() if compiled else _none():
+        out = trainer.model(rows)
+    change, logvar = split_output(out)
+    if not trainer.per_cell:
+        change = gather_rows(change, batch.inverse)
+        logvar = None if logvar is None else gather_rows(logvar, batch.inverse)
+    pred = predicted_expression(change, batch.x)
+    return gears_loss(
+        pred,
+        batch.y,
+        batch.inverse,
+        batch.counts,
+        trainer.gene_mask[batch.uniq_cond],
+        trainer.ctrl_mean,
+        logvar=None if logvar is None else logvar.float(),
+        n_groups=batch.n_groups,
+        **trainer.model_cfg.loss_params(),
+    )
+
+
+def _none():
+    return contextlib.nullcontext()
+
+
+def autocast_uncached(trainer):
+    """The forward's autocast (train.precision) with its weight-cast cache off: a captured
+    step must cast inside the graph, not reuse a cast made outside it."""
+    if trainer.amp_dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(trainer.device.type, dtype=trainer.amp_dtype, cache_enabled=False)
