@@ -342,7 +342,8 @@ def test_gpu_check_speed_on_cpu_measures_norman_mix_against_the_targets(tmp_path
     assert set(targets) == {"eager fp32", "eager bf16", "graphs fp32"}
     for config, t in targets.items():
         bound = rows[f"bound {rows[config]['precision']}"]["cells_per_s"]
-        assert t["batch"] == 32 and t["target"] == 10_000 and t["min_x_bound"] == 0.8
+        target = 20_000 if config.startswith("graphs") else None
+        assert t["batch"] == 32 and t["target"] == target and t["min_x_bound"] == 0.8
         assert t["x_bound"] == pytest.approx(rows[config]["cells_per_s"] / bound, abs=1e-3)
         assert t["status"] == "n/a"
     assert "compiled bf16 skipped" in speed["reason"]
@@ -378,3 +379,32 @@ def test_bench_load_ratios_are_the_medians_the_table_names():
     text = table(summary)
     assert "| idle | 1 rank, default | 3 (1 failed) | 11.0 |" in text
     assert "| busy: 1 rank default / threads=1 (target <= 1.5) | 1.50 |" in text
+
+
+def test_gpu_check_targets_hold_the_replayed_step_to_the_goal_and_to_eager():
+    """On CUDA the replayed step ("graphs ...") must reach 20,000 / 100,000 cells/s and be no
+    slower than eager of its precision; eager rows answer to the bare bound only."""
+    import types
+
+    import gpu_check
+
+    def rows(eager, graphs):
+        return [
+            {"config": "bound fp32", "kind": "bound", "precision": "fp32", "cells_per_s": 30_000},
+            {"config": "eager fp32", "kind": "engine", "precision": "fp32", "cells_per_s": eager},
+            {"config": "graphs fp32", "kind": "engine", "precision": "fp32", "cells_per_s": graphs},
+        ]
+
+    ctx = types.SimpleNamespace(device="cuda")
+    checks = {"speed_b32": {"status": "pass", "batch": 32, "rows": rows(25_000, 24_500)}}
+    got = {r["config"]: r for r in gpu_check.speed_targets(ctx, checks)}
+    assert got["eager fp32"]["target"] is None and got["eager fp32"]["status"] == "met"
+    assert (
+        got["graphs fp32"]["status"] == "miss" and "slower than eager" in got["graphs fp32"]["why"]
+    )
+    checks["speed_b32"]["rows"] = rows(2_300, 19_000)
+    got = {r["config"]: r for r in gpu_check.speed_targets(ctx, checks)}
+    assert "19,000 cells/s < 20,000 target" in got["graphs fp32"]["why"]
+    checks["speed_b32"]["rows"] = rows(2_300, 26_000)
+    got = {r["config"]: r for r in gpu_check.speed_targets(ctx, checks)}
+    assert got["graphs fp32"]["status"] == "met"
