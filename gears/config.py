@@ -34,6 +34,10 @@ class DataConfig:
     context_key: str | None = (
         None  # obs column naming each cell's context (e.g. cell line); None = one context
     )
+    # Without context_key, a file whose cells span several contexts (an obs column naming cell
+    # lines or types, gears/data/pooling.py) is refused; true pools them on purpose (one
+    # control mean for all).
+    pool_contexts: bool = False
     control_names: list[str] = field(default_factory=list)  # extra spellings of control cells
     mirror_url: str | None = None  # base URL replacing the public download host
     # Processed expression that every local rank memory-maps: auto (memory-map when the data

@@ -103,6 +103,7 @@ def load_pert_data(cfg: Config, env: DistEnv, store=None, split: bool = True):
                 control_names=tuple(cfg.data.control_names),
                 normalize=cfg.data.normalize,
                 context_key=cfg.data.context_key,
+                pool_contexts=cfg.data.pool_contexts,
             )
         return split_and_graphs(pert_data, cfg) if split else pert_data
 
