@@ -99,6 +99,10 @@ class ModelConfig:
     # plain PyTorch, several times slower), same weights; or a fork's network class,
     # path/to/file.py:ClassName or module:ClassName. Saved models record it.
     impl: str = "fast"
+    # A fork's own options (model.extra.<name>=value): the names and defaults its class
+    # declares in `options` (gears.model.network_options); others are refused, naming them.
+    # Saved models record the resolved values, defaults included.
+    extra: dict = field(default_factory=dict)
 
     def loss_params(self) -> dict:
         """The fields marked metadata=LOSS, as gears_loss's keyword arguments."""
