@@ -132,3 +132,15 @@ def test_the_real_multi_line_screen_is_refused_naming_cell_type(shared_data, tmp
         pool_contexts=False,
     )
     assert set(data.adata.obs["cell_type"].astype(str)) == {"k562"}
+
+
+def test_the_python_api_pools_by_default_and_says_so(tmp_path, capsys):
+    """PertData.load without pool_contexts (set_context_key may follow) loads the cells pooled
+    and prints one note naming the column and how to keep them apart."""
+    path = _two_lines(tmp_path)
+    go = write_gene2go(tmp_path / "go.tsv", tiny_gene2go())
+    data = PertData(tmp_path / "data", gene2go=go).load(data_path=path)
+    out = capsys.readouterr().out
+    assert "note: obs['cell_line'] holds 2 contexts (lineA, lineB)" in out, out
+    assert "set_context_key('cell_line')" in out
+    assert data.set_context_key("cell_line").contexts == ["lineA", "lineB"]
