@@ -88,7 +88,10 @@ def main(argv=None) -> int:
         )
         for line in LINES:
             alone = folder / f"gears_{line}"
-            run(config(seed, alone, f"data.subset.cell_type={line}"), DistEnv())
+            run(
+                config(seed, alone, f"data.subset.cell_type={line}", "data.context_key=null"),
+                DistEnv(),
+            )
             tested = {trained_on_test}
             for name, model_dir in zip(MODELS, (across, pooled, alone)):
                 overall, conditions = score_on_line(model_dir / "model", seed, line, folder)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +19,7 @@ from gears.distributed import DistEnv, choose_device, release
 from gears.engine import Trainer
 from gears.errors import GearsInputError
 from gears.evaluate import Evaluator, predict_deltas
-from gears.model import fork_files, network_class, spec_file
+from gears.model import fork_files, network_class, network_options, spec_file
 from gears.model.batch import declared_covariates, predicted_expression, reads_x
 from gears.model_folder import (
     CONFIG_FILE,
@@ -170,6 +170,10 @@ class GEARS:
         data's), and the model's one Evaluator."""
         self.cell_gears_net = None
         network = network_class(self.model_cfg.impl, self.model_folder, self.trust_code)
+        # The fork's own options, defaults filled in: the network and config.json get them all.
+        extra = network_options(network, self.model_cfg.extra, self.model_cfg.impl)
+        self.model_cfg = replace(self.model_cfg, extra=extra)
+        self.config["extra"] = dict(extra)
         names = declared_covariates(network)
         categories = self.config.get("covariates") or data_categories(self.pert_data, names)
         self.config["covariates"] = {n: list(categories[n]) for n in names}

@@ -12,6 +12,12 @@ does not name); and unless it reads x, its distinct rows weighted by their cells
 the same prediction and the loss the same gradients as one row per cell, in training and in
 evaluation mode (a layer mixing rows, a plain BatchNorm1d or dropout, fails this one).
 
+A fork whose training-mode output is random (dropout) cannot match one row per cell, or the
+reference, draw for draw: check_model finds that out (two forwards from one state, two seeds)
+and says in its first line how it compared it: with dropout off (its nn.Dropout modules in
+evaluation mode, batch-norm still training) when that makes it deterministic, else in
+evaluation mode only. The built-in networks are held to every training-mode check.
+
 Each module both networks have by name is hooked; its output, the gradient reaching that output
 and the gradients of its own parameters are compared. The fast network computes a batch's
 distinct perturbations once (rows weighted by their cells), the reference every cell: rows are
@@ -34,7 +40,7 @@ from torch import nn
 from gears.config import Config, TrainConfig
 from gears.distributed import DistEnv
 from gears.engine import CELL_ROWS, RepeatRows, Trainer, seed_everything
-from gears.model import NETWORKS, GEARSNet
+from gears.model import NETWORKS, GEARSNet, is_class_spec
 from gears.model.batch import (
     ModelBatch,
     declared_covariates,
@@ -46,6 +52,22 @@ from gears.model.rows import batch_rows, cell_outputs, row_layout
 from gears.torch_compat import is_batch_norm
 
 TOLERANCE = 1e-5  # relative to each tensor's scale (float64 nets, float32 loss: measured <= 2e-8)
+# How a network's training mode is compared: as it is (deterministic), with its dropout modules
+# in evaluation mode (a fork random through nn.Dropout), or not at all (random otherwise).
+DETERMINISTIC, DROPOUT_OFF, EVAL_ONLY = "deterministic", "dropout off", "evaluation mode only"
+RANDOMNESS = {
+    DETERMINISTIC: "deterministic in training mode: compared in training and evaluation mode",
+    DROPOUT_OFF: (
+        "stochastic in training mode (dropout): training-mode checks ran with dropout off (its "
+        "nn.Dropout modules in evaluation mode, batch-norm still training); evaluation-mode "
+        "checks as usual"
+    ),
+    EVAL_ONLY: (
+        "stochastic in training mode, and not through nn.Dropout modules: compared in "
+        "evaluation mode only (training-mode checks skipped; use nn.Dropout modules to have "
+        "them run with dropout off)"
+    ),
+}
 
 
 @dataclass
@@ -64,6 +86,7 @@ class Report:
     problem: str = ""  # a failure before any layer could be compared
     contract: dict[str, str] = field(default_factory=dict)  # check -> "" (passed) or problem
     skipped: str = ""  # why the layer comparison did not run
+    randomness: str = DETERMINISTIC  # how training mode was compared (RANDOMNESS)
 
     def first_departing(self) -> str | None:
         """The first layer (forward order) whose output departs; else the last whose gradient
@@ -80,7 +103,8 @@ class Report:
         return not broken and not self.problem and self.first_departing() is None
 
     def table(self) -> str:
-        lines = [f"contract: {name}: {problem or 'ok'}" for name, problem in self.contract.items()]
+        lines = [f"randomness: {RANDOMNESS[self.randomness]}"]
+        lines += [f"contract: {name}: {problem or 'ok'}" for name, problem in self.contract.items()]
         if self.problem:
             return "\n".join([*lines, f"check_model: {self.problem}"])
         if self.skipped:
@@ -234,9 +258,11 @@ def check_model(cfg: Config, pert_data=None, batches: int = 2, tol: float = TOLE
     report = Report(tol=tol)
     seed_everything(cfg.seed)
     configured = GEARS(pert_data, device="cpu").initialize(cfg.model, cfg.data)
-    report.contract = contract_checks(configured, cfg, pert_data, batches, tol)
+    if is_class_spec(cfg.model.impl):  # a fork may be random in training (dropout)
+        report.randomness = randomness(configured, cfg, pert_data)
+    report.contract = contract_checks(configured, cfg, pert_data, batches, tol, report.randomness)
     seed_everything(cfg.seed)
-    model_cfg = replace(cfg.model, impl="fast")
+    model_cfg = replace(cfg.model, impl="fast", extra={})  # (the fork's options are its own)
     api = GEARS(pert_data, device="cpu").initialize(model_cfg, cfg.data)
     fast = api.model.double()
     (go, go_w), (co, co_w) = api.graphs["go"], api.graphs["coexpress"]
@@ -291,6 +317,8 @@ def check_model(cfg: Config, pert_data=None, batches: int = 2, tol: float = TOLE
                 (f"{batching} batch {i}, rows {layout!r}", batch, layout) for layout in layouts
             ]
     runs.append(("evaluation mode, " + runs[-1][0], runs[-1][1], "eval"))
+    if report.randomness == EVAL_ONLY:
+        runs = runs[-1:]
     try:
         for where, batch, layout in runs:
             _run(fast, ref, trainers, records, batch, layout, where, report, len(api.pert_list))
@@ -300,19 +328,67 @@ def check_model(cfg: Config, pert_data=None, batches: int = 2, tol: float = TOLE
     return report
 
 
-def contract_checks(model, cfg: Config, pert_data, batches: int, tol: float) -> dict[str, str]:
-    """The network contract, checked on `model.model` (a float64 copy, batch-norms drawn away
-    from their initial statistics) with `batches` random training batches: check -> "" when it
-    holds, else what went wrong."""
+def set_mode(net: nn.Module, train: bool, how: str = DETERMINISTIC) -> nn.Module:
+    """net.train(train); with dropout off (how=DROPOUT_OFF) its dropout modules stay in
+    evaluation mode while the rest trains."""
+    net.train(train)
+    if train and how == DROPOUT_OFF:
+        for m in net.modules():
+            if isinstance(m, nn.modules.dropout._DropoutNd):
+                m.eval()
+    return net
+
+
+def randomness(model, cfg: Config, pert_data) -> str:
+    """How to compare `model.model` in training mode: DETERMINISTIC when two forwards of one
+    training batch from one state with two seeds agree; DROPOUT_OFF when they agree once its
+    nn.Dropout modules are off; EVAL_ONLY otherwise."""
     net = copy.deepcopy(model.model).double()
     _randomise_batchnorms(net, cfg.seed)
+    inputs = _batches(model, cfg, pert_data, 1)[0][1].inputs
+    state = copy.deepcopy(net.state_dict())
+
+    def draws_differ(how: str) -> bool:
+        outs = []
+        for seed in (1, 2):
+            net.load_state_dict(state)  # (a forward moves the batch-norm statistics)
+            with torch.random.fork_rng(), torch.no_grad():
+                torch.manual_seed(seed)
+                outs.append(split_output(set_mode(net, True, how)(inputs))[0])
+        return _rel(outs[0], outs[1]) > 0
+
+    if not draws_differ(DETERMINISTIC):
+        return DETERMINISTIC
+    return DROPOUT_OFF if not draws_differ(DROPOUT_OFF) else EVAL_ONLY
+
+
+def _batches(model, cfg: Config, pert_data, n: int) -> list:
+    """n random training batches with the network's covariates, and their rows ->
+    [(batch, rows)]."""
+    net = model.model
     names, wants_x = declared_covariates(net), reads_x(net)
     loaders = pert_data.get_dataloader_distributed(
         cfg.train.batch_size,
         cfg.train.test_batch_size,
         covariates=model.evaluator.cell_covariates(names),
     )
-    taken = [b for _, b in zip(range(batches), loaders["train_loader"])]
+    taken = [b for _, b in zip(range(n), loaders["train_loader"])]
+    return [
+        (b, batch_rows(b, row_layout(b.counts, per_cell=wants_x), names, wants_x)) for b in taken
+    ]
+
+
+def contract_checks(
+    model, cfg: Config, pert_data, batches: int, tol: float, how: str = DETERMINISTIC
+) -> dict[str, str]:
+    """The network contract, checked on `model.model` (a float64 copy, batch-norms drawn away
+    from their initial statistics) with `batches` random training batches: check -> "" when it
+    holds, else what went wrong. how: the training mode's randomness (RANDOMNESS); with
+    EVAL_ONLY the distinct-rows check runs in evaluation mode alone."""
+    net = copy.deepcopy(model.model).double()
+    _randomise_batchnorms(net, cfg.seed)
+    names, wants_x = declared_covariates(net), reads_x(net)
+    taken = [b for b, _ in _batches(model, cfg, pert_data, batches)]
     checks = {"shapes": "", "undeclared inputs ignored": ""}
     if not wants_x:
         checks["distinct rows = one row per cell"] = ""
@@ -322,7 +398,7 @@ def contract_checks(model, cfg: Config, pert_data, batches: int, tol: float) -> 
         layout = row_layout(batch.counts, per_cell=wants_x)
         rows = batch_rows(batch, layout, names, wants_x)
         for mode in ("train", "eval"):
-            probe = copy.deepcopy(net).train(mode == "train")
+            probe = set_mode(copy.deepcopy(net), mode == "train", how)
             try:
                 out = probe(rows.inputs)
             except Exception as e:  # a network that fails on its declared inputs
@@ -332,10 +408,12 @@ def contract_checks(model, cfg: Config, pert_data, batches: int, tol: float) -> 
         checks["undeclared inputs ignored"] = checks["undeclared inputs ignored"] or _undeclared(
             net, rows.inputs, G, tol, where
         )
-        if not wants_x:
-            problem = checks["distinct rows = one row per cell"]
-            for mode in ("train", "eval"):
-                problem = problem or _dedup_problem(net, batch, names, pert_data, cfg, mode, tol)
+        if not wants_x and not checks["distinct rows = one row per cell"]:
+            problem = ""
+            for mode in ("eval",) if how == EVAL_ONLY else ("train", "eval"):
+                problem = problem or _dedup_problem(
+                    net, batch, names, pert_data, cfg, mode, tol, how
+                )
             checks["distinct rows = one row per cell"] = problem and f"{where}: {problem}"
     return checks
 
@@ -381,12 +459,14 @@ def _undeclared(net: nn.Module, inputs: ModelBatch, n_genes: int, tol: float, wh
     return ""
 
 
-def _dedup_problem(net, batch, names, pert_data, cfg: Config, mode: str, tol: float) -> str:
+def _dedup_problem(
+    net, batch, names, pert_data, cfg: Config, mode: str, tol: float, how: str = DETERMINISTIC
+) -> str:
     """The batch's distinct rows, weighted by their cells, against one row per cell, from the
     same weights and statistics: each cell's prediction and every parameter's gradient."""
     results = []
     for layout in (None, CELL_ROWS):
-        probe = copy.deepcopy(net).train(mode == "train")
+        probe = set_mode(copy.deepcopy(net), mode == "train", how)
         trainer = Trainer(probe, pert_data, TrainConfig(), cfg.model, DistEnv())
         rows = batch_rows(batch, layout, names, False)
         change, _ = cell_outputs(probe(rows.inputs), rows)
@@ -413,7 +493,7 @@ def _run(fast, ref, trainers, records, batch, layout, where, report, n_perts) ->
     train = layout != "eval"
     layout = None if layout == "eval" else layout
     for net, trainer in zip((fast, ref), trainers):
-        net.train(train)
+        set_mode(net, train, report.randomness)
         net.zero_grad(set_to_none=True)
         records[id(net)].clear()
         trainer.loss_on(batch, CELL_ROWS if net is ref else layout).backward()

@@ -34,6 +34,10 @@ class DataConfig:
     context_key: str | None = (
         None  # obs column naming each cell's context (e.g. cell line); None = one context
     )
+    # Without context_key, a file whose cells span several contexts (an obs column naming cell
+    # lines or types, gears/data/pooling.py) is refused; true pools them on purpose (one
+    # control mean for all).
+    pool_contexts: bool = False
     control_names: list[str] = field(default_factory=list)  # extra spellings of control cells
     mirror_url: str | None = None  # base URL replacing the public download host
     # Processed expression that every local rank memory-maps: auto (memory-map when the data
@@ -95,6 +99,10 @@ class ModelConfig:
     # plain PyTorch, several times slower), same weights; or a fork's network class,
     # path/to/file.py:ClassName or module:ClassName. Saved models record it.
     impl: str = "fast"
+    # A fork's own options (model.extra.<name>=value): the names and defaults its class
+    # declares in `options` (gears.model.network_options); others are refused, naming them.
+    # Saved models record the resolved values, defaults included.
+    extra: dict = field(default_factory=dict)
 
     def loss_params(self) -> dict:
         """The fields marked metadata=LOSS, as gears_loss's keyword arguments."""

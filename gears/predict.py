@@ -14,9 +14,12 @@ condition spellings and normalisation).
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import io
 import json
 import os
+import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
@@ -60,6 +63,7 @@ UNCERTAINTY_LAYER = "log_variance"
 MEAN_KEY = "gears_mean_prediction"
 OUTPUTS = ("lognorm", "counts")  # predict.py --output
 COUNTS_KEY = "gears_counts"  # .uns: how counts output was drawn (sampler, seed, target sum)
+PROVENANCE_KEY = "gears_provenance"  # .uns: the model folder, impl, config hash, code commit
 CELL_EVAL_PROFILE = "vcc"
 CELL_EVAL_INSTALL = (
     "cell-eval is not installed; install the optional evaluation extra with "
@@ -448,6 +452,51 @@ def counts_uns(spec: CountsSpec) -> dict:
     }
 
 
+@functools.cache
+def code_commit() -> str:
+    """The git commit of the code making the prediction (this package's checkout), with
+    "+modified" when its tracked files differ from it; "unknown" without git or a checkout."""
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10
+        )
+        if head.returncode != 0 or not head.stdout.strip():
+            return "unknown"
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=here,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head.stdout.strip() + ("+modified" if dirty.stdout.strip() else "")
+
+
+def provenance_uns(model, output: str, sampler: str, seed: int) -> dict:
+    """.uns['gears_provenance']: where a prediction came from. model_folder (absolute), the
+    network (model.impl), sha256 of the folder's config.json (hyperparameters, vocabularies,
+    the fork's options), the code's commit, the output, sampler and seed."""
+    folder = getattr(model, "model_folder", None)
+    config = Path(folder) / CONFIG_FILE if folder is not None else None
+    model_cfg = getattr(model, "model_cfg", None)
+    return {
+        "model_folder": str(Path(folder).resolve()) if folder is not None else "unknown",
+        "model_impl": getattr(model_cfg, "impl", None) or "unknown",
+        "config_sha256": (
+            hashlib.sha256(config.read_bytes()).hexdigest()
+            if config is not None and config.is_file()
+            else "unknown"
+        ),
+        "code_commit": code_commit(),
+        "output": output,
+        "sampler": sampler if output == "counts" else "none",
+        "seed": int(seed),
+    }
+
+
 def prediction_uns(
     labels, conditions, delta, logvar, ctrl_mean, condition_key: str, control_label: str
 ) -> dict:
@@ -542,6 +591,7 @@ def _logvar_rows(plan: CellPlan, logvar: np.ndarray, rows: slice) -> np.ndarray:
 
 
 CHUNK_BYTES = 64 * 2**20  # dense float32 rows computed at a time by write_prediction
+MAX_INT32_NNZ = np.iinfo(np.int32).max  # cells x genes above this: 64-bit indptr and indices
 
 
 class _GuardedFile(io.RawIOBase):
@@ -705,13 +755,17 @@ def write_prediction(
     chunk_bytes: int = CHUNK_BYTES,
     counts: CountsSpec | None = None,
     context: tuple[str, str] | None = None,
+    provenance: dict | None = None,
 ) -> tuple[CellPlan, dict]:
     """prediction_adata's cells written to an .h5ad a chunk of cells at a time, X as CSR float32
     (the layout `cell-eval prep` asks for; zeros not stored), so memory holds the control cells,
     the changes and one ~chunk_bytes chunk, never the output (60,000 cells x 18,080 genes is
     4.3 GB dense). Atomic: written to a hidden temporary file, synced, then renamed; a write
     that fails (a full disk) removes it, keeps any earlier file and raises one GearsInputError;
-    temporary files of killed writers are removed first. -> (its CellPlan, its uns)"""
+    temporary files of killed writers are removed first. provenance: .uns['gears_provenance']
+    (provenance_uns). X's indptr and indices share one integer width (32-bit unless cells x
+    genes exceeds 2**31 - 1), as scipy's sparse routines (scanpy's rank_genes_groups) require.
+    -> (its CellPlan, its uns)"""
     import h5py
     from anndata.io import write_elem
 
@@ -736,6 +790,8 @@ def write_prediction(
     uns = prediction_uns(labels, conditions, delta, logvar, ctrl_mean, condition_key, control_label)
     if counts is not None:
         uns[COUNTS_KEY] = counts_uns(counts)
+    if provenance is not None:
+        uns[PROVENANCE_KEY] = provenance
     remove_stale_temps(path)
     tmp = temp_path(path)
     try:
@@ -755,7 +811,12 @@ def write_prediction(
                 {"encoding-type": "csr_matrix", "encoding-version": "0.1.0", "shape": (n, n_genes)}
             )
             data = X.create_dataset("data", (0,), np.float32, maxshape=(None,), chunks=(2**18,))
-            indices = X.create_dataset("indices", (0,), np.int32, maxshape=(None,), chunks=(2**18,))
+            # One width for indptr and indices, as scipy's sparse routines require: 32-bit
+            # unless the cells could hold more nonzeros than that counts.
+            index_dtype = np.int32 if n * n_genes <= MAX_INT32_NNZ else np.int64
+            indices = X.create_dataset(
+                "indices", (0,), index_dtype, maxshape=(None,), chunks=(2**18,)
+            )
             indptr = np.zeros(n + 1, dtype=np.int64)
             layer = None
             if logvar is not None:
@@ -773,7 +834,7 @@ def write_prediction(
                 indptr[rows.start + 1 : rows.stop + 1] = stored + chunk.indptr[1:]
                 if layer is not None:
                     layer[rows] = _logvar_rows(plan, logvar, rows)
-            X.create_dataset("indptr", data=indptr)
+            X.create_dataset("indptr", data=indptr.astype(index_dtype))
         handle.sync()
         handle.close()
         if handle.error is not None:
@@ -876,9 +937,12 @@ def predict_cells(
         counts=counts,
         context=context,
     )
+    provenance = provenance_uns(model, output, sampler, seed)
     if out is None:
-        return prediction_adata(*args, **kwargs)
-    plan, uns = write_prediction(out, *args, **kwargs)
+        pred = prediction_adata(*args, **kwargs)
+        pred.uns[PROVENANCE_KEY] = provenance
+        return pred
+    plan, uns = write_prediction(out, *args, **kwargs, provenance=provenance)
     return ad.AnnData(obs=plan.obs, var=pd.DataFrame(index=controls.var_names.astype(str)), uns=uns)
 
 

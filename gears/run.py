@@ -103,6 +103,7 @@ def load_pert_data(cfg: Config, env: DistEnv, store=None, split: bool = True):
                 control_names=tuple(cfg.data.control_names),
                 normalize=cfg.data.normalize,
                 context_key=cfg.data.context_key,
+                pool_contexts=cfg.data.pool_contexts,
             )
         return split_and_graphs(pert_data, cfg) if split else pert_data
 
@@ -214,13 +215,14 @@ def check_before_the_run(cfg: Config) -> None:
     anything is trained or written: an uninstalled scorer (not after an hour of training), a
     fork's class that cannot be found, a model cell-eval2 cannot score."""
     from gears.contexts import one_model_per_context
-    from gears.model import network_class
+    from gears.model import network_class, network_options
 
     if cfg.eval.cell_eval:
         from gears.predict import require_cell_eval
 
         require_cell_eval()
     network = network_class(cfg.model.impl)
+    network_options(network, cfg.model.extra, cfg.model.impl)  # model.extra: names it takes
     if cfg.eval.cell_eval2:
         from gears.vcc2026 import require_cell_eval2, require_scorable
 

@@ -4,6 +4,7 @@ edit of the fast network departs from the reference (the edits monkeypatched in)
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -157,3 +158,64 @@ def test_bad_input_on_the_command_line_is_one_line_and_status_2():
     assert done.returncode == 2, done.stderr
     assert done.stderr.startswith("error: unknown config key 'train.nope'")
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+
+
+# ---------------------------------------------------------------- stochastic forks, options
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+DROPOUT = f"{EXAMPLES / 'dropout_gears.py'}:DropoutGEARS"
+
+
+class FunctionalDropout(reference.GEARSReference):
+    """Dropout with no module to switch off (F.dropout on self.training)."""
+
+    def cell_embedding(self, cells):
+        return F.dropout(super().cell_embedding(cells), 0.2, self.training)
+
+
+def test_the_dropout_fork_trains_saves_loads_and_passes_check_model(tmp_path, capsys):
+    """A correct fork that adds dropout failed check_model ("train mode: cell predictions
+    differ", then every later layer departed): its train-mode checks now run with dropout off
+    and say so. Its option (model.extra.dropout) reaches the network, config.json records it
+    and load_pretrained rebuilds it."""
+    from gears.api import GEARS
+    from gears.model_folder import read_model_json
+    from gears.run import run
+
+    data = tmp_path / "data"
+    overrides = [*_overrides(data), f"model.impl={DROPOUT}", "model.extra.dropout=0.3"]
+    cfg = load_config(
+        None,
+        [*overrides, f"out_dir={tmp_path / 'run'}", "train.epochs=1", "train.plot_conditions=0"],
+        base=DEFAULT_CONFIG,
+    )
+    run(cfg, DistEnv())
+    folder = tmp_path / "run" / "model"
+    assert read_model_json(folder, "config.json")["extra"] == {"dropout": 0.3}
+    loaded = GEARS(load_pert_data(cfg, DistEnv()), device="cpu").load_pretrained(folder)
+    assert type(loaded.model).__name__ == "DropoutGEARS" and loaded.model.dropout.p == 0.3
+    capsys.readouterr()
+    assert cm.main(overrides) == 0, capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "stochastic in training mode" in out and "dropout off" in out, out
+    assert "OK: every layer agrees" in out and "departs" not in out, out
+
+
+def test_a_stochastic_fork_without_dropout_modules_is_compared_in_evaluation_mode(screen):
+    cfg, pert_data = screen
+    impl = "tests.test_check_model:FunctionalDropout"
+    report = cm.check_model(replace(cfg, model=replace(cfg.model, impl=impl)), pert_data)
+    assert report.ok, report.table()
+    assert "evaluation mode only" in report.table(), report.table()
+
+
+def test_a_fork_option_it_does_not_declare_is_refused_naming_the_accepted_ones(tmp_path):
+    from gears.errors import GearsInputError
+    from gears.run import check_before_the_run
+
+    cfg = load_config(None, [f"model.impl={DROPOUT}", "model.extra.dropuot=0.2"])
+    with pytest.raises(GearsInputError, match=r"\['dropuot'\].*accepts: dropout \(default 0.1\)"):
+        check_before_the_run(cfg)
+    with pytest.raises(GearsInputError, match="model.extra.dropout.*not a valid float"):
+        check_before_the_run(load_config(None, [f"model.impl={DROPOUT}", "model.extra.dropout=x"]))
+    with pytest.raises(GearsInputError, match="'fast' does not take; it accepts: none"):
+        check_before_the_run(load_config(None, ["model.extra.dropout=0.2"]))

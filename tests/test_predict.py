@@ -249,7 +249,8 @@ def _prediction_inputs(vcc_run, n_genes=None):
 
 def test_written_in_chunks_equals_the_in_memory_prediction(vcc_run, tmp_path):
     """write_prediction (a few cells per chunk here) writes prediction_adata's cells: the same
-    obs, X bit for bit (stored as CSR float32 without zeros, int64 indptr), layer and uns."""
+    obs, X bit for bit (stored as CSR float32 without zeros, indptr as wide as indices), layer
+    and uns."""
     from gears.predict import prediction_adata, write_prediction
 
     args, kwargs = _prediction_inputs(vcc_run)
@@ -258,7 +259,7 @@ def test_written_in_chunks_equals_the_in_memory_prediction(vcc_run, tmp_path):
     write_prediction(tmp_path / "p.h5ad", *args, **kwargs, chunk_bytes=4 * n_genes * 7)
     got = ad.read_h5ad(tmp_path / "p.h5ad")
     assert sp.issparse(got.X) and got.X.format == "csr" and got.X.dtype == np.float32
-    assert got.X.indptr.dtype == np.int64 and (got.X.data != 0).all()
+    assert got.X.indptr.dtype == got.X.indices.dtype == np.int32 and (got.X.data != 0).all()
     np.testing.assert_array_equal(got.X.toarray(), expected.X)
     pd.testing.assert_frame_equal(got.obs, expected.obs)
     np.testing.assert_array_equal(got.layers[UNCERTAINTY_LAYER], expected.layers[UNCERTAINTY_LAYER])
@@ -592,3 +593,85 @@ def test_a_runs_context_index_names_only_folders_inside_the_run(tmp_path):
     assert model_folders(run, tmp_path / "p.h5ad") == [
         (run / "lineA" / "model", tmp_path / "p_lineA.h5ad")
     ]
+
+
+# ------------------------------------------------------------- scanpy and provenance
+def _predict_file(vcc_run, tmp_path, output: str) -> tuple:
+    labels, _ = _perturbations(vcc_run)
+    out = tmp_path / f"pred_{output}.h5ad"
+    argv = ["--model", str(vcc_run["model"]), "--perturbations", ",".join(labels)]
+    predict_main([*argv, "--cells-per-perturbation", "5", "--output", output, "--out", str(out)])
+    return labels, out
+
+
+@pytest.mark.parametrize("output", ["lognorm", "counts"])
+def test_scanpy_rank_genes_groups_runs_on_the_written_file(vcc_run, tmp_path, output):
+    """sc.tl.rank_genes_groups failed on predict.py's files ("ValueError: Output dtype not
+    compatible with inputs"): X's indptr was 64-bit beside 32-bit indices."""
+    import h5py
+    import scanpy as sc
+
+    labels, out = _predict_file(vcc_run, tmp_path, output)
+    with h5py.File(out, "r") as f:
+        assert f["X/indptr"].dtype == f["X/indices"].dtype, "one index width, as scipy wants"
+    pred = ad.read_h5ad(out)
+    if output == "counts":
+        sc.pp.normalize_total(pred)
+        sc.pp.log1p(pred)
+    sc.tl.rank_genes_groups(pred, "target_gene", reference=CONTROL, method="t-test")
+    assert set(pred.uns["rank_genes_groups"]["names"].dtype.names) == set(labels)
+
+
+def test_the_file_records_the_model_config_code_and_sampler(vcc_run, tmp_path):
+    """A prediction file said nothing of the model that made it."""
+    import hashlib
+
+    from gears.counts import DEFAULT_SAMPLER
+    from gears.predict import PROVENANCE_KEY, code_commit
+
+    code_commit.cache_clear()  # (asked once per process: a commit made since is not seen)
+    folder = vcc_run["model"]
+    config_sha = hashlib.sha256((folder / "config.json").read_bytes()).hexdigest()
+    commit = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    assert code_commit().removesuffix("+modified") == (commit or "unknown")
+    for output, sampler in (("lognorm", "none"), ("counts", DEFAULT_SAMPLER)):
+        _, out = _predict_file(vcc_run, tmp_path, output)
+        record = ad.read_h5ad(out, backed="r").uns[PROVENANCE_KEY]
+        assert record["model_folder"] == str(folder.resolve())
+        assert record["model_impl"] == "fast"
+        assert record["config_sha256"] == config_sha
+        assert record["code_commit"] == code_commit()
+        assert record["output"] == output and record["sampler"] == sampler, record
+        assert int(record["seed"]) == 0
+
+
+def test_without_git_the_commit_is_unknown(monkeypatch):
+    from gears import predict as predict_mod
+
+    predict_mod.code_commit.cache_clear()
+    monkeypatch.setenv("PATH", "/nonexistent")
+    try:
+        assert predict_mod.code_commit() == "unknown"
+    finally:
+        predict_mod.code_commit.cache_clear()
+
+
+def test_more_cells_x_genes_than_32_bits_hold_widen_indices_and_indptr_together(
+    vcc_run, tmp_path, monkeypatch
+):
+    """Past 2**31 - 1 cells x genes (lowered here) indices and indptr are both 64-bit: the same
+    cells, and one width for scipy."""
+    import scanpy as sc
+
+    from gears import predict as predict_mod
+
+    args, kwargs = _prediction_inputs(vcc_run)
+    expected = predict_mod.prediction_adata(*args, **kwargs)
+    monkeypatch.setattr(predict_mod, "MAX_INT32_NNZ", 10)
+    predict_mod.write_prediction(tmp_path / "p.h5ad", *args, **kwargs)
+    got = ad.read_h5ad(tmp_path / "p.h5ad")
+    assert got.X.indptr.dtype == got.X.indices.dtype == np.int64
+    np.testing.assert_array_equal(got.X.toarray(), expected.X)
+    sc.tl.rank_genes_groups(got, "target_gene", reference=CONTROL, method="t-test")

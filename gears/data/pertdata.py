@@ -24,6 +24,7 @@ from gears.data.conditions import (
     refuse_joined_gene_names,
 )
 from gears.data.loaders import EpochLoader, ExampleSet, ExpressionMatrix, eval_loader, train_loader
+from gears.data.pooling import check_contexts
 from gears.data.stream import not_counts_error
 from gears.device import to_host
 from gears.errors import GearsInputError
@@ -307,6 +308,7 @@ class PertData:
         normalize: str = "none",
         context_key: str | None = None,
         target_sum: float | None = None,
+        pool_contexts: bool | None = None,
     ) -> PertData:
         """Load a named dataset (`synthetic`, `norman`, `adamson`, `dixit`,
         `replogle_k562_essential`, `replogle_rpe1_essential`) or a processed/raw `.h5ad` path
@@ -316,6 +318,10 @@ class PertData:
         {"dataset": "norman19"} or {"cell_type": ["K562", "RPE1"]}.
         condition_key, control_names, normalize, context_key, target_sum: as in
         new_data_process (files only).
+        pool_contexts: what to do, without a context_key, with a file whose kept cells span
+        several contexts (an obs column naming cell lines or types; gears.data.pooling): False
+        refuses naming the column (what train_single.py does), True pools them, None (the
+        default here) pools them and says so (set_context_key may follow).
         """
         from gears.data import download
 
@@ -360,6 +366,7 @@ class PertData:
                         normalize=normalize,
                         context_key=context_key,
                         target_sum=target_sum,
+                        pool_contexts=pool_contexts,
                     )
                 raise GearsInputError(
                     f"unknown dataset {data_name!r}; use 'synthetic', one of "
@@ -387,6 +394,7 @@ class PertData:
                 normalize=normalize,
                 context_key=context_key,
                 target_sum=target_sum,
+                pool_contexts=pool_contexts,
             )
         self._source = source_record(path, subset, condition_key, control_names, normalize)
         adata = read_h5ad(path)
@@ -401,6 +409,17 @@ class PertData:
             if not keep.any():
                 raise GearsInputError(f"subset: no cell has obs[{column!r}] in {wanted}")
             adata = adata[keep].copy()
+        if context_key is None:
+            check_contexts(
+                adata,
+                None,
+                subset=subset,
+                condition_key=condition_key,
+                control_names=control_names,
+                normalize=normalize,
+                pool_contexts=pool_contexts,
+                log=self._log,
+            )
         # Reuse DE results stored in the file (ours, or GEARS's keyed by condition_name).
         return self.new_data_process(
             name,
@@ -1186,6 +1205,7 @@ class PertData:
         normalize: str = "none",
         context_key: str | None = None,
         target_sum: float | None = None,
+        pool_contexts: bool | None = None,
     ) -> PertData:
         """Process an .h5ad out of core into the shared store (or reuse it), then serve from it.
 
@@ -1198,6 +1218,7 @@ class PertData:
         Raw counts are refused, or normalised with normalize='log1p' (to target_sum, else the
         median total; the totals are stored as library_size), as new_data_process does.
         context_key: as in new_data_process; each cell's context is stored with it.
+        pool_contexts: as in load.
         """
         from gears.data import store as store_mod
 
@@ -1214,6 +1235,22 @@ class PertData:
                     "data.condition_key to choose another"
                 )
             context_labels(backed.obs, context_key)  # a missing column fails before any work
+            if context_key is None:
+                keep = np.ones(backed.n_obs, dtype=bool)
+                for column, wanted in (subset or {}).items():
+                    if column in backed.obs:  # a missing one is named by _build_store
+                        wanted = wanted if isinstance(wanted, (list, tuple)) else [wanted]
+                        keep &= backed.obs[column].astype(str).isin([str(w) for w in wanted]).values
+                check_contexts(
+                    backed,
+                    keep,
+                    subset=subset,
+                    condition_key=chosen,
+                    control_names=control_names,
+                    normalize=normalize,
+                    pool_contexts=pool_contexts,
+                    log=self._log,
+                )
             key = store_mod.store_key(
                 store_mod.input_fingerprint(path),
                 self._store_params(

@@ -86,6 +86,30 @@ def network_class(
     return cls
 
 
+def network_options(network: type, extra: dict, impl: str) -> dict:
+    """A network's own options, resolved: the class's `options` ({name: default}) updated with
+    `extra` (model.extra), each value read as its default's type. An unknown name is refused,
+    naming the options the network accepts."""
+    from gears.config import _coerce
+
+    declared = dict(getattr(network, "options", None) or {})
+    unknown = sorted(set(extra) - set(declared))
+    if unknown:
+        accepted = ", ".join(f"{k} (default {v!r})" for k, v in declared.items()) or "none"
+        raise GearsInputError(
+            f"model.extra has {unknown}, which model.impl={impl!r} does not take; it accepts: "
+            f"{accepted} (a fork declares its options as a class attribute, "
+            "options = {name: default})"
+        )
+    resolved = {}
+    for name, default in declared.items():
+        value = extra.get(name, default)
+        if default is not None and name in extra:
+            value = _coerce(value, type(default), f"model.extra.{name}")
+        resolved[name] = value
+    return resolved
+
+
 def folder_code(impl: str, folder: Path, trust_code: bool) -> Path | None:
     """The file of `folder` that a model folder's impl names (None: a gears.model module),
     refused by name when impl points anywhere else or, for a file, without trust_code.
