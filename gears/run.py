@@ -19,7 +19,7 @@ from gears.errors import GearsInputError, TrainingStopped
 from gears.exiting import EXIT_WAIT_S, exit_quickly  # noqa: F401 (EXIT_WAIT_S: for callers)
 from gears.faults import injected_delay
 from gears.run_folder import claim_run_folder, prior_outputs
-from gears.runtime import auto_threads, set_threads, tune_allocator
+from gears.runtime import auto_threads, set_threads, tune_allocator, wait_report
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = ROOT / "configs" / "default.yaml"
@@ -337,6 +337,7 @@ def _run(cfg: Config, env: DistEnv, pert_data=None) -> dict | None:
             "eval_s": eval_s,
             "total_s": time.perf_counter() - t_start,
             "threads": threads,  # torch's CPU threads while training (rank 0)
+            "omp_waits": wait_report(),  # governed: switches between spinning and short waits
         }
         results["history"] = {
             "train_loss": history.train_loss,
