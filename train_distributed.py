@@ -16,6 +16,7 @@ import sys
 # mp.spawn's workers inherit it; torchrun's and srun's workers run this file themselves.
 if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
     os.environ["GEARS_OMP_WAITS"] = "governed"
+    os.environ.setdefault("KMP_BLOCKTIME", "0")  # Intel OpenMP builds (no governor): no spinning
 
 from gears.run import command, config_from_args, parse_args  # noqa: E402
 from gears.train_distributed import (  # noqa: E402

@@ -7,6 +7,7 @@ import os
 # GOMP_SPINCOUNT once, when torch loads, so the choice is read before importing gears.
 if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
     os.environ["GEARS_OMP_WAITS"] = "governed"
+    os.environ.setdefault("KMP_BLOCKTIME", "0")  # Intel OpenMP builds (no governor): no spinning
 
 from gears.distributed import DistEnv, choose_device  # noqa: E402
 from gears.run import command, config_from_args, parse_args, run  # noqa: E402

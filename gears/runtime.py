@@ -210,6 +210,9 @@ def govern_waits_by_default(environ=None) -> bool:
     if "OMP_WAIT_POLICY" in environ or "GOMP_SPINCOUNT" in environ:
         return False
     environ[GOVERNED_WAITS] = "governed"
+    # A torch built on Intel's OpenMP (libiomp5) has no libgomp to govern: its threads then go
+    # to sleep at once, as under the passive waits before. libgomp does not read this variable.
+    environ.setdefault("KMP_BLOCKTIME", "0")
     return True
 
 

@@ -93,7 +93,8 @@ def test_entry_points_load_openmp_with_governed_waits(script):
     settings = _libgomp_settings(got.stderr)
     assert settings.get("GOMP_SPINCOUNT") == "300000", settings
     env: dict[str, str] = {}
-    assert govern_waits_by_default(env) and env == {GOVERNED_WAITS: "governed"}
+    assert govern_waits_by_default(env)
+    assert env == {GOVERNED_WAITS: "governed", "KMP_BLOCKTIME": "0"}
     assert not wait_passively(env)  # spawn()'s call leaves governed waits to the ranks
     if script == "train_single.py":  # (both scripts share the two lines that decide)
         mine = _user_env(OMP_DISPLAY_ENV="verbose", GOMP_SPINCOUNT="12345")
