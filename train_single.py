@@ -2,10 +2,12 @@
 
 import os
 
-# Idle OpenMP threads sleep instead of spinning, unless the user chose (gears.runtime.
-# wait_passively says why). libgomp reads this once, when torch loads: before importing gears.
+# OpenMP waits spin while the CPUs are free and go short while other processes use them
+# (gears.runtime.WaitGovernor), unless the user chose: libgomp reads OMP_WAIT_POLICY and
+# GOMP_SPINCOUNT once, when torch loads, so the choice is read before importing gears.
 if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    os.environ["GEARS_OMP_WAITS"] = "governed"
+    os.environ.setdefault("KMP_BLOCKTIME", "0")  # Intel OpenMP builds (no governor): no spinning
 
 from gears.distributed import DistEnv, choose_device  # noqa: E402
 from gears.run import command, config_from_args, parse_args, run  # noqa: E402
@@ -25,4 +27,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    from gears.runtime import govern_waits
+
+    govern_waits()  # spinning OpenMP waits while the CPUs are free, short ones while not
     command(main)

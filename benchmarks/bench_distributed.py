@@ -150,6 +150,9 @@ def worker(
         env = release(env)  # the project's teardown order (barrier, collect, yield, destroy)
     finally:
         cleanup(env)
+    from gears.exiting import exit_quickly
+
+    exit_quickly(0)  # this rank is done: it exits whatever threads a library left running
 
 
 def run_config(world: int, threads: int, state: Path, tmp: Path, args) -> dict:
@@ -240,4 +243,6 @@ def main(args) -> None:
 
 
 if __name__ == "__main__":
-    main(ARGS)
+    from gears.exiting import run_and_exit  # exits once done, whatever threads are left
+
+    run_and_exit(lambda: main(ARGS))

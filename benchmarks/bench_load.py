@@ -3,6 +3,8 @@
 python benchmarks/bench_load.py --json load.json            # 3 epochs, 3 repeats (~15 min, 2 cores)
 python benchmarks/bench_load.py --quick                     # 1 epoch of 30 batches, 1 repeat
 python benchmarks/bench_load.py --spinning --json load.json # also libgomp's spinning waits (before)
+python benchmarks/bench_load.py --passive --genes 1000 --epochs 2 --json waits.json
+                                        # governed waits against passive ones, 1,000-gene screen
 
 Each run is a fresh `python train_single.py` (1 rank) or `python train_distributed.py --nproc 2`
 (2 ranks) on the default synthetic screen, with the environment a user has: no OMP_NUM_THREADS,
@@ -16,7 +18,9 @@ Per run: wall time of the whole command, its CPU time (user + system, every proc
 and metrics.json's timing (train_s, threads). The table gives medians and the ratios the targets
 name: beside a busy core, default / `train.threads=1` (at most 1.5); idle, `train.threads=1` /
 default (the second core's gain); and each arm's busy / idle. `--spinning` adds the behaviour
-before passive waits (GOMP_SPINCOUNT=300000, libgomp's default; 2 ranks with every core each).
+before passive waits (GOMP_SPINCOUNT=300000, libgomp's default; 2 ranks with every core each);
+`--passive` adds passive waits (OMP_WAIT_POLICY=PASSIVE, the default before the governed waits
+of gears.runtime.WaitGovernor). Training cells/s (metrics.json) are reported beside wall times.
 """
 
 from __future__ import annotations
@@ -51,9 +55,12 @@ THREAD_VARS = (
 LAUNCH_PREFIXES = ("SLURM_", "TORCHELASTIC_", "GEARS_")
 LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 SPINNING = {"GOMP_SPINCOUNT": "300000"}  # libgomp's default when no wait policy is set
+PASSIVE = {"OMP_WAIT_POLICY": "PASSIVE"}  # the entry points' default before governed waits
 
 
-def arms(spinning: bool, cores: int) -> dict[str, tuple[str, list[str], dict[str, str]]]:
+def arms(
+    spinning: bool, cores: int, passive: bool = False, compile: bool = False
+) -> dict[str, tuple[str, list[str], dict[str, str]]]:
     """key -> (label, command after `python`, extra environment)."""
     single = [str(ROOT / "train_single.py")]
     spawn2 = [str(ROOT / "train_distributed.py"), "--nproc", "2"]
@@ -63,6 +70,14 @@ def arms(spinning: bool, cores: int) -> dict[str, tuple[str, list[str], dict[str
         "2r": ("2 ranks, default", spawn2, {}),
         "2r_t1": ("2 ranks, train.threads=1", [*spawn2, "train.threads=1"], {}),
     }
+    if compile:
+        found["1r_compile"] = (
+            "1 rank, default, train.compile=true",
+            [*single, "train.compile=true"],
+            {},
+        )
+    if passive:
+        found["1r_passive"] = ("1 rank, default, passive waits (before)", single, PASSIVE)
     if spinning:
         found["1r_spin"] = ("1 rank, default, spinning waits (before)", single, SPINNING)
         found["2r_spin"] = (
@@ -80,6 +95,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=None, help="runs per arm and load (default 3)")
     p.add_argument("--loads", default="idle,busy", help="comma-separated: idle, busy")
     p.add_argument("--spinning", action="store_true", help="add the spinning-wait arms")
+    p.add_argument("--passive", action="store_true", help="add the passive-wait arm (before)")
+    p.add_argument("--compile", action="store_true", help="add a train.compile=true arm")
+    p.add_argument("--genes", type=int, default=0, help="synthetic screen's genes (0: default)")
     p.add_argument("--only", default=None, help="comma-separated arm keys: 1r,1r_t1,2r,2r_t1,...")
     p.add_argument("--quick", action="store_true", help="1 epoch of 30 batches, 1 repeat")
     p.add_argument("--work", default=None, help="folder for the runs (default: a temp folder)")
@@ -133,6 +151,8 @@ def run_one(cmd: list[str], env: dict[str, str], out_dir: Path, data_dir: Path, 
         f"train.epochs={args.epochs}",
         f"train.limit_batches={args.limit_batches}",
     ]
+    if args.genes:
+        overrides.append(f"data.synthetic={{n_genes: {args.genes}}}")
     log = out_dir.with_suffix(".log")
     t0 = time.perf_counter()
     with open(log, "w") as f:
@@ -154,7 +174,8 @@ def run_one(cmd: list[str], env: dict[str, str], out_dir: Path, data_dir: Path, 
     metrics = out_dir / "metrics.json"
     if proc.returncode == 0 and metrics.exists():
         timing = json.loads(metrics.read_text())["timing"]
-        record.update({k: timing.get(k) for k in ("train_s", "total_s", "threads")})
+        keys = ("train_s", "total_s", "threads", "train_cells_per_s", "omp_waits")
+        record.update({k: timing.get(k) for k in keys})
     else:
         record["log_tail"] = log.read_text()[-2000:]
     return record
@@ -174,7 +195,10 @@ def summarise(runs: list[dict], names: list[str], loads: list[str]) -> dict:
             cells[f"{kind} | {name}"] = {
                 "runs": len(mine),
                 "failed": sum(r["exit"] != 0 for r in mine),
-                **{k: median(mine, k) for k in ("wall_s", "cpu_s", "train_s", "threads")},
+                **{
+                    k: median(mine, k)
+                    for k in ("wall_s", "cpu_s", "train_s", "threads", "train_cells_per_s")
+                },
             }
 
     def ratio(a: str, b: str, key: str = "wall_s") -> float | None:
@@ -192,6 +216,17 @@ def summarise(runs: list[dict], names: list[str], loads: list[str]) -> dict:
         )
     for name in names:
         ratios[f"busy / idle: {name}"] = ratio(f"busy | {name}", f"idle | {name}")
+    cps = "train_cells_per_s"
+    for kind, want in (("idle", ">= 1.3"), ("busy", ">= 1/1.5 = 0.67")):
+        ratios[f"{kind}: 1 rank default / threads=1, train cells/s (target {want})"] = ratio(
+            f"{kind} | 1 rank, default", f"{kind} | 1 rank, train.threads=1", cps
+        )
+        ratios[f"{kind}: 1 rank default / passive waits (before), train cells/s"] = ratio(
+            f"{kind} | 1 rank, default", f"{kind} | 1 rank, default, passive waits (before)", cps
+        )
+        ratios[f"{kind}: 1 rank train.compile=true / eager (default), train cells/s"] = ratio(
+            f"{kind} | 1 rank, default, train.compile=true", f"{kind} | 1 rank, default", cps
+        )
     return {"cells": cells, "ratios": ratios}
 
 
@@ -200,17 +235,17 @@ def table(summary: dict) -> str:
         return "-" if x is None else f"{x:.{digits}f}"
 
     lines = [
-        "| load | arm | runs | wall s | CPU s | train s | threads |",
-        "|---|---|---|---|---|---|---|",
+        "| load | arm | runs | wall s | CPU s | train s | train cells/s | threads |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for key, c in summary["cells"].items():
         kind, name = key.split(" | ")
         runs = f"{c['runs']}" + (f" ({c['failed']} failed)" if c["failed"] else "")
         lines.append(
             f"| {kind} | {name} | {runs} | {fmt(c['wall_s'])} | {fmt(c['cpu_s'])} | "
-            f"{fmt(c['train_s'])} | {fmt(c['threads'], 0)} |"
+            f"{fmt(c['train_s'])} | {fmt(c['train_cells_per_s'], 0)} | {fmt(c['threads'], 0)} |"
         )
-    lines += ["", "| ratio (wall time, medians) | value |", "|---|---|"]
+    lines += ["", "| ratio (wall time unless named, medians) | value |", "|---|---|"]
     lines += [f"| {k} | {fmt(v, 2)} |" for k, v in summary["ratios"].items()]
     return "\n".join(lines)
 
@@ -218,7 +253,7 @@ def table(summary: dict) -> str:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     cores = usable_cores()
-    all_arms = arms(args.spinning, cores)
+    all_arms = arms(args.spinning, cores, args.passive, args.compile)
     if args.only:
         wanted = [x.strip() for x in args.only.split(",")]
         unknown = [x for x in wanted if x not in all_arms]
@@ -243,14 +278,23 @@ def main(argv=None) -> dict:
             for kind, name in plan[shift:] + plan[:shift]:
                 _, cmd, extra = next(a for a in all_arms.values() if a[0] == name)
                 out_dir = work / f"r{rep}_{kind}_{names.index(name)}"
+                load_before = os.getloadavg()[0]
                 with load(kind):
                     record = run_one(cmd, user_env(extra), out_dir, work / "data", args)
-                record.update(load=kind, arm=name, repeat=rep, loadavg_after=os.getloadavg()[0])
+                record.update(
+                    load=kind,
+                    arm=name,
+                    repeat=rep,
+                    loadavg_before=load_before,
+                    loadavg_after=os.getloadavg()[0],
+                )
                 runs.append(record)
                 status = "ok" if record["exit"] == 0 else f"exit {record['exit']}"
                 print(
                     f"{kind:4s} {name:52s} wall {record['wall_s']:7.1f}s "
-                    f"cpu {record['cpu_s']:7.1f}s threads {record.get('threads')} {status}",
+                    f"cpu {record['cpu_s']:7.1f}s threads {record.get('threads')} "
+                    f"cells/s {record.get('train_cells_per_s') or 0:.0f} "
+                    f"load {load_before:.1f} {record.get('omp_waits')} {status}",
                     flush=True,
                 )
     summary = summarise(runs, names, args.loads)
@@ -261,6 +305,7 @@ def main(argv=None) -> dict:
         "usable_cores": cores,
         "epochs": args.epochs,
         "limit_batches": args.limit_batches,
+        "genes": args.genes or None,
         "repeats": args.repeats,
         "runs": runs,
         **summary,
@@ -271,4 +316,6 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from gears.exiting import run_and_exit  # exits once done, whatever threads are left
+
+    run_and_exit(main)

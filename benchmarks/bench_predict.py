@@ -140,4 +140,6 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from gears.exiting import run_and_exit  # exits once done, whatever threads are left
+
+    run_and_exit(main)

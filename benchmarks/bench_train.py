@@ -777,4 +777,6 @@ def main(args) -> None:
 
 
 if __name__ == "__main__":
-    main(ARGS)
+    from gears.exiting import run_and_exit  # exits once done, whatever threads are left
+
+    run_and_exit(lambda: main(ARGS))

@@ -1660,4 +1660,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from gears.exiting import run_and_exit  # exits once done, whatever threads are left
+
+    run_and_exit(main)

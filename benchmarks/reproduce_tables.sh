@@ -32,6 +32,8 @@
 #   bench_distributed            docs/performance.md: 2 gloo processes against 1
 #   bench_load                   docs/performance.md "Under load": idle and beside a busy core,
 #                                default threads vs 1, 1 and 2 ranks, spinning waits (~40 min idle)
+#   bench_load_waits             docs/performance.md "Governed waits", docs/mixed_precision.md: governed
+#                                vs passive waits vs 1 thread, compile vs eager, 1,000 genes (~60 min)
 #   bench_scale                  docs/large_screens.md: Norman, VCC and Replogle sizes, memory
 #   suite                        docs/testing.md: the test suite's time (python -m pytest -q)
 set -euo pipefail
@@ -39,7 +41,7 @@ cd "$(dirname "$0")/.."
 WORK=${WORK:-/tmp/gears_tables}
 RESULTS_TABLES="seeds_default seeds_norman seeds_gears_paper control_mean vs_cell_gears"
 ALL_TABLES="$RESULTS_TABLES vs_cell_gears_large reference_cost check_model compare_contexts \
-default_run vcc_example bench_predict counts_samplers challenge_scores bench_train bench_distributed bench_load bench_scale suite"
+default_run vcc_example bench_predict counts_samplers challenge_scores bench_train bench_distributed bench_load bench_load_waits bench_scale suite"
 TABLES=${TABLES:-$RESULTS_TABLES}
 [ "$TABLES" = all ] && TABLES=$ALL_TABLES
 RESULTS=benchmarks/results
@@ -186,6 +188,10 @@ PY
             # docs/performance.md's table: 2 runs per arm, about 11 minutes on 2 cores
             python benchmarks/bench_load.py --spinning --epochs 3 --repeats 2 \
                 --work "$WORK/bench_load" --json "$RESULTS/bench_load.json" ;;
+        bench_load_waits)  # the waits and train.compile on the report's 1,000-gene screen
+            python benchmarks/bench_load.py --passive --compile --genes 1000 --epochs 2 --repeats 3 \
+                --only 1r,1r_t1,1r_passive,1r_compile,2r,2r_t1 --work "$WORK/bench_load_waits" \
+                --json "$RESULTS/bench_load_waits.json" ;;
         bench_scale)
             python benchmarks/bench_scale.py --cells 90000 --genes 5000 --perts 230 --nproc 2 \
                 --steps 30 --compare-memory --json "$RESULTS/bench_scale_norman.json"

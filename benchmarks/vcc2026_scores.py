@@ -198,4 +198,7 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    sys.path.insert(0, str(ROOT))
+    from gears.exiting import run_and_exit  # exits once done, whatever threads are left
+
+    run_and_exit(main)

@@ -611,4 +611,6 @@ def _json_safe(obj):
 
 
 if __name__ == "__main__":
-    main(parse_args())
+    from gears.exiting import run_and_exit  # exits once done, whatever threads are left
+
+    run_and_exit(lambda: main(parse_args()))

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import atexit
 import json
 import math
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -18,9 +16,10 @@ from gears import checkpoint as ckpt
 from gears.config import Config, load_config
 from gears.distributed import DistEnv, build_in_stages
 from gears.errors import GearsInputError, TrainingStopped
+from gears.exiting import EXIT_WAIT_S, exit_quickly  # noqa: F401 (EXIT_WAIT_S: for callers)
 from gears.faults import injected_delay
 from gears.run_folder import claim_run_folder, prior_outputs
-from gears.runtime import auto_threads, set_threads, tune_allocator
+from gears.runtime import auto_threads, set_threads, tune_allocator, wait_report
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = ROOT / "configs" / "default.yaml"
@@ -126,7 +125,6 @@ def load_pert_data(cfg: Config, env: DistEnv, store=None, split: bool = True):
 def init_wandb(cfg: Config, env: DistEnv):
     if not env.is_main or cfg.wandb.mode == "disabled":
         return None
-    import os
 
     import wandb
 
@@ -385,6 +383,7 @@ def _run(cfg: Config, env: DistEnv, pert_data=None, later: list | None = None) -
             "eval_s": eval_s,
             "total_s": time.perf_counter() - t_start,
             "threads": threads,  # torch's CPU threads while training (rank 0)
+            "omp_waits": wait_report(),  # governed: switches between spinning and short waits
         }
         results["history"] = {
             "train_loss": history.train_loss,
@@ -568,22 +567,3 @@ def command(main) -> None:
             print(e.code, file=sys.stderr, flush=True)
         status = e.code if isinstance(e.code, int) else int(e.code is not None)
     exit_quickly(status)
-
-
-def exit_quickly(status: int) -> None:
-    """End the process without the interpreter's teardown, which frees the modules (torch,
-    scanpy, numba, ...) object by object: about 1.5 s at the end of every command and of every
-    rank, measured on a 2-core x86 machine. What a normal exit does first still happens, in the
-    same order: other non-daemon threads are joined, atexit handlers run (multiprocessing's,
-    wandb's, logging's), stdout and stderr are flushed. Outputs are closed before this point
-    (files are written whole and renamed, gears.io)."""
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # a closed pipe or stream: nothing more can be said
-            pass
-    os._exit(status)

@@ -102,6 +102,9 @@ def use_threads(n: int) -> None:
 def _spawned(local_rank: int, nproc: int, cfg: Config, addr: str, port: int) -> None:
     set_local_rank_env(local_rank, nproc, port, addr)
     from gears.run import command
+    from gears.runtime import govern_waits
+
+    govern_waits()  # this rank's OpenMP waits (the launcher's environment marked them)
 
     command(lambda: worker_main(cfg))
 

@@ -1,5 +1,6 @@
 """Training beside a busy core and ranks sharing a node (gears/runtime.py, the entry points): idle
-OpenMP threads sleep instead of spinning, and the ranks of one node divide its cores."""
+OpenMP threads spin only while the CPUs are free (WaitGovernor), and the ranks of one node divide
+its cores."""
 
 from __future__ import annotations
 
@@ -16,7 +17,17 @@ import pytest
 from helpers import TINY_CLI
 
 from gears import checkpoint as ckpt
-from gears.runtime import sharing_ranks, usable_cores, user_thread_count, wait_passively
+from gears.runtime import (
+    GOVERNED_WAITS,
+    cpu_sample,
+    govern_waits,
+    govern_waits_by_default,
+    others_busy,
+    sharing_ranks,
+    usable_cores,
+    user_thread_count,
+    wait_passively,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 # Settings a user's shell may hold; the tests below start from none of them.
@@ -69,21 +80,113 @@ def test_wait_passively_sets_the_policy_unless_the_user_chose_one():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script", ["train_single.py", "train_distributed.py"])
-def test_entry_points_load_openmp_with_passive_waits(script):
-    """libgomp reads its wait policy once, when torch loads it: the scripts set it first. Before,
-    a waiting thread spun 300,000 pauses (~11 ms) before sleeping; a user's choice is kept."""
+def test_entry_points_load_openmp_with_governed_waits(script):
+    """libgomp reads its wait policy once, when torch loads it: the scripts leave it libgomp's
+    spinning default (300,000 pauses, ~11 ms) and mark it governed (WaitGovernor switches it
+    to short waits while other processes use the CPUs); a user's choice is kept, ungoverned.
+    (Before: OMP_WAIT_POLICY=PASSIVE, GOMP_SPINCOUNT 0, which the second core never paid for.)"""
     cmd = [sys.executable, str(ROOT / script), "--help"]
     got = subprocess.run(
         cmd, capture_output=True, text=True, timeout=300, env=_user_env(OMP_DISPLAY_ENV="verbose")
     )
     assert got.returncode == 0, got.stderr[-2000:]
     settings = _libgomp_settings(got.stderr)
-    assert settings.get("GOMP_SPINCOUNT") == "0", settings
-    assert settings.get("OMP_WAIT_POLICY") == "PASSIVE", settings
+    assert settings.get("GOMP_SPINCOUNT") == "300000", settings
+    env: dict[str, str] = {}
+    assert govern_waits_by_default(env)
+    assert env == {GOVERNED_WAITS: "governed", "KMP_BLOCKTIME": "0"}
+    assert not wait_passively(env)  # spawn()'s call leaves governed waits to the ranks
     if script == "train_single.py":  # (both scripts share the two lines that decide)
         mine = _user_env(OMP_DISPLAY_ENV="verbose", GOMP_SPINCOUNT="12345")
         kept = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=mine)
         assert _libgomp_settings(kept.stderr).get("GOMP_SPINCOUNT") == "12345"
+        for user in ({"OMP_WAIT_POLICY": "PASSIVE"}, {"GOMP_SPINCOUNT": "0"}):
+            assert not govern_waits_by_default(dict(user))
+            assert govern_waits({**user, GOVERNED_WAITS: "governed"}) is None
+
+
+def test_others_busy_counts_other_processes_cores():
+    """Cores' worth of CPU time used by other processes between two samples: all busy time of
+    the CPUs less this process's own (its spinning threads are not others)."""
+    # 2 CPUs, 100 ticks each elapsed (200 in all); 150 busy ticks, 50 of them this process's.
+    assert others_busy((1000, 5000, 300), (1150, 5200, 350), 2) == pytest.approx(1.0)
+    assert others_busy((1000, 5000, 300), (1100, 5200, 400), 2) == 0.0  # all of it ours
+    assert others_busy((0, 0, 0), (0, 0, 0), 2) == 0.0  # no time elapsed
+    before = cpu_sample()
+    assert len(before) == 3 and before[0] <= before[1]
+
+
+GOVERNOR_SCRIPT = """
+import os, sys, time
+sys.path.insert(0, sys.argv[1])
+import torch
+from gears.runtime import WaitGovernor
+torch.set_num_threads(2)
+y = torch.randn(1_000_000)
+
+def cpu_per_op():  # ops with short gaps, as a training step's: spinning fills the gaps
+    t0 = os.times()
+    for _ in range(100):
+        y.add(1)
+        time.sleep(0.004)
+    t1 = os.times()
+    return (t1.user + t1.system - t0.user - t0.system) / 100
+
+governor = WaitGovernor()
+assert governor.usable, "libgomp not found"
+spinning = cpu_per_op()
+governor.short_waits()
+short = cpu_per_op()
+governor.spinning_waits()
+time.sleep(0.1)
+again = cpu_per_op()
+print(spinning, short, again)
+"""
+
+
+def test_governor_switches_libgomps_waits_without_changing_threads(tmp_path):
+    """WaitGovernor.short_waits parks more libgomp threads than CPUs, so libgomp's waits between
+    ops go short (the worker sleeps instead of spinning through the gaps: far less CPU per op);
+    spinning_waits lets them go and spinning returns. Seen failing with short_waits a no-op."""
+    if usable_cores() < 2:
+        pytest.skip("needs 2 cores")
+    script = tmp_path / "governor.py"
+    script.write_text(GOVERNOR_SCRIPT)
+    got = subprocess.run(
+        [sys.executable, str(script), str(ROOT)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_user_env(OMP_NUM_THREADS="2"),
+    )
+    assert got.returncode == 0, got.stderr[-2000:]
+    spinning, short, again = map(float, got.stdout.split())
+    assert short < 0.5 * spinning and short < 0.5 * again, (spinning, short, again)
+
+
+def test_governor_goes_short_beside_a_busy_core():
+    """The watch switches to short waits within a few intervals of another process taking a
+    core (on a shared machine it may be short already: the test fails only if it never goes)."""
+    import time
+
+    from gears.runtime import WaitGovernor
+
+    if usable_cores() < 2:
+        pytest.skip("needs 2 cores")
+    governor = WaitGovernor(interval_s=0.2)
+    if not governor.usable:
+        pytest.skip("no libgomp loaded")
+    try:
+        governor.start()
+        governor.spinning_waits()  # as if the CPUs had been free
+        with _busy_core():
+            deadline = time.monotonic() + 10
+            while governor.spinning and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not governor.spinning
+    finally:
+        governor.stop()
+        governor.spinning_waits()
 
 
 @pytest.mark.slow
