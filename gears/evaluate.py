@@ -34,6 +34,7 @@ def predict_deltas(
     env: DistEnv | None = None,
     covariates: dict[str, np.ndarray] | None = None,
     x=None,
+    runner=None,
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """The network's predicted change (and log-variance) per row, batch-norm in eval mode.
 
@@ -41,7 +42,9 @@ def predict_deltas(
     it declares; x: for a network that reads x, each row's control cell, [N, G] or a function
     of row positions giving their [n, G] rows. -> change [N, G] float64 (logvar [N, G] or
     None). Chunks of EVAL_CHUNK rows are dealt round-robin to ranks and gathered, so every rank
-    gets the full, identical result.
+    gets the full, identical result. runner: a ForwardRunner of this network (gears/graph_step.py,
+    train.cuda_graphs) runs each chunk, EVAL_CHUNK rows padded, as a replayed graph; the same
+    numbers to float rounding (tests/test_graph_step.py).
     """
     env = env or DistEnv()
     was_training = net.training
@@ -51,10 +54,20 @@ def predict_deltas(
     wants_x = reads_x(net)
     if wants_x and x is None:
         raise GearsInputError("this network reads x: give each row's control cell")
-    chunks = np.array_split(np.arange(len(pert_index)), max(1, -(-len(pert_index) // EVAL_CHUNK)))
+    n_chunks = max(1, -(-len(pert_index) // EVAL_CHUNK))
+    if runner is not None and runner.net is net:  # fixed-size chunks, the last one padded
+        chunks = [
+            np.arange(len(pert_index))[c * EVAL_CHUNK :][:EVAL_CHUNK] for c in range(n_chunks)
+        ]
+    else:
+        runner, chunks = None, np.array_split(np.arange(len(pert_index)), n_chunks)
     mine = {}
     for c in range(env.rank, len(chunks), env.world_size):
         rows = chunks[c]
+        if runner is not None:
+            inputs = _rows_of(x, rows) if wants_x else None
+            mine[c] = runner.run(pert_index[rows], inputs, {k: v[rows] for k, v in codes.items()})
+            continue
         batch = ModelBatch(
             to_device(torch.as_tensor(pert_index[rows]), device),
             x=to_device(_rows_of(x, rows), device) if wants_x else None,
