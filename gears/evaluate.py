@@ -141,6 +141,9 @@ class Evaluator:
         self.control_mean = control_mean
         self.categories = dict(categories or {})
         self._cache: dict = {}
+        # A ForwardRunner of `net` (gears/graph_step.py): set by the Trainer with
+        # train.cuda_graphs on; predict_deltas then runs it (None: eager forwards).
+        self.forward_runner = None
 
     @property
     def control_mean(self) -> str:
@@ -238,7 +241,11 @@ class Evaluator:
         if reads_x(net):
             return self._per_cell_means(view, net)
         delta, _ = predict_deltas(
-            net, self.pd.cond_pert_index[view["cond_ids"]], self.env, view["covariates"]
+            net,
+            self.pd.cond_pert_index[view["cond_ids"]],
+            self.env,
+            view["covariates"],
+            runner=self.forward_runner,
         )
         return predicted_expression(delta, self.control_means(set_name))
 
@@ -253,7 +260,7 @@ class Evaluator:
         def x(cells: np.ndarray) -> torch.Tensor:
             return to_host(self.pd.expr.rows(pair_rows[cells]))
 
-        change, _ = predict_deltas(net, pert_index, self.env, covariates, x)
+        change, _ = predict_deltas(net, pert_index, self.env, covariates, x, self.forward_runner)
         X = self.pd.expr.numpy()
         pair = X[pair_rows]
         pair = pair.toarray() if sp.issparse(pair) else np.asarray(pair, np.float64)

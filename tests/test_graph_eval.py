@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import tiny_split
-from test_graph_step import _FakeCuda, _net
+from test_graph_step import _FakeCuda, _net, _trainer
 
 from gears.evaluate import EVAL_CHUNK, predict_deltas
 from gears.graph_step import ForwardRunner
@@ -212,3 +212,25 @@ def test_forward_has_no_host_sync_or_host_tensor_under_the_standin(tmp_path, mon
     ]
     assert len(recorder.ops) > 50
     assert host.found == [] and moves == []
+
+
+# ------------------------------------------------------------------------------ wiring
+def test_trainer_validates_and_the_run_tests_with_the_runner(lines):
+    """train.cuda_graphs=true on CPU: the Trainer's per-epoch validation runs the evaluator's
+    ForwardRunner (the one the run's test evaluation and GEARS.predict_changes then use), with
+    eager's metrics; the default on CPU (null) keeps eager forwards and no runner."""
+    torch.set_num_threads(1)
+    kw = {"epochs": 1, "limit_batches": 3}
+    planned, loaders = _trainer(lines, "fast", planned=True, **kw)
+    loaders["val_loader"] = None
+    planned.fit(loaders, progress=False)
+    runner = planned.evaluator.forward_runner
+    assert isinstance(runner, ForwardRunner) and runner.net is planned.net
+    assert len(runner.static) == 1  # the validation's chunks ran through it
+    val = planned.evaluator.quick("val")
+    planned.evaluator.forward_runner = None
+    assert planned.evaluator.quick("val") == pytest.approx(val, rel=1e-6, abs=1e-7)
+    default, loaders = _trainer(lines, "fast", planned=None, **kw)
+    loaders["val_loader"] = None
+    default.fit(loaders, progress=False)
+    assert default.runner is None and default.evaluator.forward_runner is None
