@@ -234,3 +234,29 @@ def test_trainer_validates_and_the_run_tests_with_the_runner(lines):
     loaders["val_loader"] = None
     default.fit(loaders, progress=False)
     assert default.runner is None and default.evaluator.forward_runner is None
+
+
+def test_gears_train_leaves_the_runner_to_test_metrics_and_predictions(lines):
+    """GEARS.train with train.cuda_graphs=true (the covariate fork): the run's test metrics
+    (evaluator.predict_means, as gears/run.py takes them) and GEARS.predict_changes go through
+    the trained network's ForwardRunner, with eager's numbers."""
+    torch.set_num_threads(1)
+    model = _net(lines, "fork")
+    model.train(epochs=1, limit_batches=2, batch_size=8, cuda_graphs=True, progress=False)
+    runner = model.evaluator.forward_runner
+    assert isinstance(runner, ForwardRunner) and runner.net is model.model
+    (name,) = declared_covariates(model.model)
+    value = model.evaluator.categories[name][1]
+    perts = [[p] for p in model.pert_list[:3]]
+    calls = []
+    real = runner.run
+    runner.run = lambda *a: calls.append(1) or real(*a)
+    test = model.evaluator.predict_means("test")
+    assert calls
+    calls.clear()
+    change = model.predict_changes(perts, {name: value})
+    assert calls
+    model.evaluator.forward_runner = None
+    np.testing.assert_allclose(model.evaluator.predict_means("test"), test, atol=ATOL, rtol=0)
+    eager, _ = model.predict_changes(perts, {name: value})
+    np.testing.assert_allclose(eager, change[0], atol=ATOL, rtol=0)
