@@ -44,7 +44,7 @@ def predict_deltas(
     None). Chunks of EVAL_CHUNK rows are dealt round-robin to ranks and gathered, so every rank
     gets the full, identical result. runner: a ForwardRunner of this network (gears/graph_step.py,
     train.cuda_graphs) runs each chunk, EVAL_CHUNK rows padded, as a replayed graph; the same
-    numbers to float rounding (tests/test_graph_step.py).
+    numbers to float rounding (tests/test_graph_eval.py).
     """
     env = env or DistEnv()
     was_training = net.training
@@ -54,13 +54,12 @@ def predict_deltas(
     wants_x = reads_x(net)
     if wants_x and x is None:
         raise GearsInputError("this network reads x: give each row's control cell")
-    n_chunks = max(1, -(-len(pert_index) // EVAL_CHUNK))
+    n = len(pert_index)
     if runner is not None and runner.net is net:  # fixed-size chunks, the last one padded
-        chunks = [
-            np.arange(len(pert_index))[c * EVAL_CHUNK :][:EVAL_CHUNK] for c in range(n_chunks)
-        ]
+        size = runner.rows
+        chunks = [np.arange(s, min(s + size, n)) for s in range(0, max(n, 1), size)]
     else:
-        runner, chunks = None, np.array_split(np.arange(len(pert_index)), n_chunks)
+        runner, chunks = None, np.array_split(np.arange(n), max(1, -(-n // EVAL_CHUNK)))
     mine = {}
     for c in range(env.rank, len(chunks), env.world_size):
         rows = chunks[c]

@@ -71,7 +71,13 @@ def test_forward_runner_is_todays_predict_deltas(lines, kind):
     _randomise_batchnorm(net)
     calls = [_inputs(lines, model, n, seed) for n, seed in ((150, 0), (70, 1))]
     eager = [predict_deltas(net, p, covariates=c, x=x) for p, c, x in calls]
-    runner = ForwardRunner(net, capture=False, rows=EVAL_CHUNK)
+    for rows in (EVAL_CHUNK, 48):  # (chunks of the runner's size)
+        runner = ForwardRunner(net, capture=False, rows=rows)
+        _same_as_eager(net, runner, calls, eager)
+        assert len(runner.static) == 1  # one chunk shape
+
+
+def _same_as_eager(net, runner, calls, eager) -> None:
     for (p, c, x), (delta, logvar) in zip(calls, eager, strict=True):
         got, got_logvar = predict_deltas(net, p, covariates=c, x=x, runner=runner)
         assert got.dtype == np.float64 and got.shape == delta.shape
@@ -79,7 +85,6 @@ def test_forward_runner_is_todays_predict_deltas(lines, kind):
         assert (got_logvar is None) == (logvar is None)
         if logvar is not None:
             np.testing.assert_allclose(got_logvar, logvar, atol=ATOL, rtol=RTOL)
-    assert len(runner.static) == 1  # one chunk shape
 
 
 class _FakeGraph:
