@@ -356,13 +356,15 @@ class GEARS:
             raise GearsInputError("no model: call model_initialize()+train() or load_pretrained()")
         net, rows = self.prediction_net(), self._pert_rows(pert_list)
         codes = self._covariate_codes(declared_covariates(net), covariates, len(rows))
+        runner = getattr(self.evaluator, "forward_runner", None)  # (train.cuda_graphs)
         if not reads_x(net):
-            return predict_deltas(net, rows, covariates=codes)
+            return predict_deltas(net, rows, covariates=codes, runner=runner)
         x = self._prediction_controls(covariates)  # [n, G]
         n = len(x)
         repeat = {k: np.repeat(v, n) for k, v in codes.items()}
         cells = np.repeat(rows, n, axis=0)
-        change, logvar = predict_deltas(net, cells, covariates=repeat, x=np.tile(x, (len(rows), 1)))
+        x = np.tile(x, (len(rows), 1))
+        change, logvar = predict_deltas(net, cells, covariates=repeat, x=x, runner=runner)
         mean = lambda a: None if a is None else a.reshape(len(rows), n, -1).mean(1)  # noqa: E731
         return mean(change), mean(logvar)
 

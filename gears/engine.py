@@ -28,7 +28,7 @@ from gears.distributed import (
     set_tf32,
 )
 from gears.errors import GearsInputError, NonFiniteLossError
-from gears.evaluate import Evaluator
+from gears.evaluate import EVAL_CHUNK, Evaluator
 from gears.faults import FaultPlan
 from gears.model import graph_buffer_names
 from gears.model.batch import check_output, declared_covariates, predicted_expression, reads_x
@@ -560,7 +560,7 @@ class Trainer:
             return None
         if self.runner is not None and self.runner.plan.loader is loader:
             return self.runner
-        from gears.graph_step import EpochPlan, PlanUnsupported, StepRunner
+        from gears.graph_step import EpochPlan, ForwardRunner, PlanUnsupported, StepRunner
 
         why = planned_step_refusal(self, loader)
         plan = None
@@ -579,6 +579,10 @@ class Trainer:
         if fixed_shape is not None:
             fixed_shape()  # graph propagation without a sparse tensor built per call
         self.runner = StepRunner(self, plan, capture=self.device.type == "cuda")
+        # The validation and test forwards replayed the same way (evaluate.predict_deltas).
+        self.evaluator.forward_runner = ForwardRunner(
+            self.net, self.runner.capture, EVAL_CHUNK, self.env.is_main
+        )
         return self.runner
 
     def train_epoch_planned(self, runner, loader, epoch: int, progress: bool):

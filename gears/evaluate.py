@@ -34,6 +34,7 @@ def predict_deltas(
     env: DistEnv | None = None,
     covariates: dict[str, np.ndarray] | None = None,
     x=None,
+    runner=None,
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """The network's predicted change (and log-variance) per row, batch-norm in eval mode.
 
@@ -41,7 +42,9 @@ def predict_deltas(
     it declares; x: for a network that reads x, each row's control cell, [N, G] or a function
     of row positions giving their [n, G] rows. -> change [N, G] float64 (logvar [N, G] or
     None). Chunks of EVAL_CHUNK rows are dealt round-robin to ranks and gathered, so every rank
-    gets the full, identical result.
+    gets the full, identical result. runner: a ForwardRunner of this network (gears/graph_step.py,
+    train.cuda_graphs) runs each chunk, EVAL_CHUNK rows padded, as a replayed graph; the same
+    numbers to float rounding (tests/test_graph_eval.py).
     """
     env = env or DistEnv()
     was_training = net.training
@@ -51,10 +54,19 @@ def predict_deltas(
     wants_x = reads_x(net)
     if wants_x and x is None:
         raise GearsInputError("this network reads x: give each row's control cell")
-    chunks = np.array_split(np.arange(len(pert_index)), max(1, -(-len(pert_index) // EVAL_CHUNK)))
+    n = len(pert_index)
+    if runner is not None and runner.net is net:  # fixed-size chunks, the last one padded
+        size = runner.rows
+        chunks = [np.arange(s, min(s + size, n)) for s in range(0, max(n, 1), size)]
+    else:
+        runner, chunks = None, np.array_split(np.arange(n), max(1, -(-n // EVAL_CHUNK)))
     mine = {}
     for c in range(env.rank, len(chunks), env.world_size):
         rows = chunks[c]
+        if runner is not None:
+            inputs = _rows_of(x, rows) if wants_x else None
+            mine[c] = runner.run(pert_index[rows], inputs, {k: v[rows] for k, v in codes.items()})
+            continue
         batch = ModelBatch(
             to_device(torch.as_tensor(pert_index[rows]), device),
             x=to_device(_rows_of(x, rows), device) if wants_x else None,
@@ -128,6 +140,9 @@ class Evaluator:
         self.control_mean = control_mean
         self.categories = dict(categories or {})
         self._cache: dict = {}
+        # A ForwardRunner of `net` (gears/graph_step.py): set by the Trainer with
+        # train.cuda_graphs on; predict_deltas then runs it (None: eager forwards).
+        self.forward_runner = None
 
     @property
     def control_mean(self) -> str:
@@ -225,7 +240,11 @@ class Evaluator:
         if reads_x(net):
             return self._per_cell_means(view, net)
         delta, _ = predict_deltas(
-            net, self.pd.cond_pert_index[view["cond_ids"]], self.env, view["covariates"]
+            net,
+            self.pd.cond_pert_index[view["cond_ids"]],
+            self.env,
+            view["covariates"],
+            runner=self.forward_runner,
         )
         return predicted_expression(delta, self.control_means(set_name))
 
@@ -240,7 +259,7 @@ class Evaluator:
         def x(cells: np.ndarray) -> torch.Tensor:
             return to_host(self.pd.expr.rows(pair_rows[cells]))
 
-        change, _ = predict_deltas(net, pert_index, self.env, covariates, x)
+        change, _ = predict_deltas(net, pert_index, self.env, covariates, x, self.forward_runner)
         X = self.pd.expr.numpy()
         pair = X[pair_rows]
         pair = pair.toarray() if sp.issparse(pair) else np.asarray(pair, np.float64)

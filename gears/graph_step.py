@@ -30,7 +30,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from gears.device import to_device
+from gears.device import to_device, to_host
 from gears.model.batch import ModelBatch, predicted_expression, split_output
 from gears.model.kernels import gather_rows
 from gears.model.losses import gears_loss
@@ -266,7 +266,7 @@ class StepRunner:
         """At an epoch's start (start > 0: resuming within it): cursor and accumulators; the
         captured graphs are dropped when any storage they read has moved (a loaded checkpoint's
         optimizer state, a new learning-rate tensor, the plan reallocated)."""
-        if self.graphs and self.storage() != self.captured_storage:
+        if self.capture and self.graphs and self.storage() != self.captured_storage:
             self.graphs.clear()
         self.plan.cursor.fill_(start)
         self.loss_sum.zero_()
@@ -391,3 +391,124 @@ def autocast_uncached(trainer):
     if trainer.amp_dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(trainer.device.type, dtype=trainer.amp_dtype, cache_enabled=False)
+
+
+class ForwardRunner:
+    """predict_deltas's forward (gears/evaluate.py) replayed like the training step: the rows in
+    chunks of `rows` (the last one padded with control rows, covariate code 0 and x 0, whose
+    outputs are dropped), copied into static input buffers of the chunk's shape (perturbation
+    slots, genes of x, covariate names), the network run in eval mode, its change (and
+    log-variance) copied into static output buffers, read back. On CUDA each shape is captured
+    once as a CUDA graph (after a warm-up on a side stream; all of this runner's graphs in one
+    memory pool, apart from the training step's) and replayed; on CPU, or after a capture
+    failed, the same function runs on the same buffers. Batch-norm in eval mode reads running
+    statistics, so a row's output does not depend on its chunk's other rows."""
+
+    def __init__(self, net: torch.nn.Module, capture: bool, rows: int, is_main: bool = True):
+        self.net, self.capture, self.rows, self.is_main = net, capture, int(rows), is_main
+        self.static: dict[tuple, dict[str, torch.Tensor]] = {}
+        self.graphs: dict[tuple, object] = {}
+        self.pool = None
+        self.captured_storage: tuple[int, ...] = ()
+        fixed_shape = getattr(net, "fixed_shape_graphs", None)
+        if fixed_shape is not None:
+            fixed_shape()  # graph propagation without a sparse tensor built per call
+
+    def run(self, pert_index: np.ndarray, x, covariates: dict[str, np.ndarray]):
+        """One chunk of at most `rows` rows: pert_index [n, P], x [n, G] (tensor) or None,
+        covariates name -> [n] codes. -> change [n, G], logvar [n, G] or None (float32, host)."""
+        n = len(pert_index)
+        key = (pert_index.shape[1], None if x is None else x.shape[1], tuple(covariates))
+        static = self.static.get(key) or self._allocate(key)
+        fill = {"pert": (pert_index, -1), "x": (x, 0)}
+        fill.update({f"cov:{k}": (v, 0) for k, v in covariates.items()})
+        for name, (value, pad) in fill.items():
+            if value is not None:
+                static[name][:n].copy_(torch.as_tensor(value))
+                static[name][n:].fill_(pad)
+        if self.capture and self.graphs and self.storage() != self.captured_storage:
+            self.graphs.clear()  # the parameters (or buffers) moved: capture again
+        if self.capture and key not in self.graphs:
+            self.graphs[key] = self._capture(key)
+        graph = self.graphs.get(key)
+        if graph is not None:
+            graph.replay()
+        else:
+            self.forward_fn(key)
+        logvar = static.get("logvar")  # (copies: the next chunk overwrites the buffers)
+        return (
+            to_host(static["delta"][:n]).numpy().copy(),
+            None if logvar is None else to_host(logvar[:n]).numpy().copy(),
+        )
+
+    def _allocate(self, key: tuple) -> dict[str, torch.Tensor]:
+        """The static inputs of a chunk shape; the outputs are allocated by its first call."""
+        P, G, names = key
+        device = next(self.net.parameters()).device
+        static = {"pert": to_device(torch.full((self.rows, P), -1, dtype=torch.long), device)}
+        if G is not None:
+            static["x"] = to_device(torch.zeros(self.rows, G), device)
+        for name in names:
+            static[f"cov:{name}"] = to_device(torch.zeros(self.rows, dtype=torch.long), device)
+        self.static[key] = static
+        return static
+
+    def forward_fn(self, key: tuple) -> None:
+        """The network on the static inputs of `key`, its outputs copied into static outputs
+        (allocated by the first call: the warm-up on CUDA). Same ops for every chunk of a key."""
+        static = self.static[key]
+        names = key[2]
+        batch = ModelBatch(
+            static["pert"],
+            x=static.get("x"),
+            covariates={name: static[f"cov:{name}"] for name in names},
+        )
+        delta, logvar = split_output(self.net(batch))
+        for name, value in (("delta", delta), ("logvar", logvar)):
+            if value is None:
+                continue
+            if name not in static:
+                static[name] = torch.empty(value.shape, dtype=torch.float32, device=value.device)
+            static[name].copy_(value)
+
+    def storage(self) -> tuple[int, ...]:
+        """The addresses a captured forward reads: parameters, buffers."""
+        tensors = list(self.net.parameters()) + list(self.net.buffers())
+        return tuple(t.data_ptr() for t in tensors)
+
+    # torch's CUDA API and graph object; replaced in tests by StepRunner's stand-ins.
+    cuda = torch.cuda
+
+    def new_graph(self, key: tuple):
+        return torch.cuda.CUDAGraph()
+
+    def _capture(self, key: tuple):
+        """The chunk shape's forward as a CUDA graph (warm-up on a side stream, then the
+        capture); None (and one line) when capturing fails: the forward then runs uncaptured.
+        An eval-mode forward changes no state, so nothing is undone."""
+        try:
+            cuda = self.cuda
+            side = cuda.Stream()
+            side.wait_stream(cuda.current_stream())
+            with cuda.stream(side):
+                for _ in range(2):
+                    self.forward_fn(key)
+            cuda.current_stream().wait_stream(side)
+            graph = self.new_graph(key)
+            with cuda.graph(graph, pool=self.pool):
+                self.forward_fn(key)
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.captured_storage = self.storage()
+            return graph
+        except Exception as error:  # noqa: BLE001 - any capture failure falls back to eager
+            self.capture = False
+            if self.is_main:
+                first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+                print(
+                    f"train.cuda_graphs: capturing the evaluation forward failed "
+                    f"({type(error).__name__}: {first}); evaluating with eager forwards",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            return None
