@@ -608,10 +608,9 @@ VCC_CONTROL = "non-targeting"
 
 def vcc_targets(condition: pd.Series) -> np.ndarray:
     """GEARS conditions ('G+ctrl', 'ctrl') as the challenge's target_gene ('G', VCC_CONTROL)."""
-    condition = condition.astype(str).values
-    return np.where(
-        condition == CTRL, VCC_CONTROL, np.char.replace(condition.astype(str), f"+{CTRL}", "")
-    )
+    # A numpy str array: pandas 3's string dtype (a StringArray) has no np.char loops.
+    condition = np.asarray(condition.astype(str), dtype=str)
+    return np.where(condition == CTRL, VCC_CONTROL, np.char.replace(condition, f"+{CTRL}", ""))
 
 
 def make_vcc_layout(
