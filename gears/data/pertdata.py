@@ -1401,6 +1401,7 @@ class PertData:
                 sink=writer.append_rows,
                 inspect=inspect,
                 transform=transform,
+                moments=de_mod.scanpy_aggregates(),
             )
             check_not_raw_counts(probe.summary())
             self.refuse_unmatched_genes()
@@ -1421,6 +1422,7 @@ class PertData:
                     np.asarray(names),
                     n_top=N_DE,
                     n_ranked=N_DE_RANKED,
+                    moments=stats.moments,
                 )
             ranked, non_dropout, non_zero_mask = _de_arrays(de, kept_conditions, names)
             means = stats.means
