@@ -533,8 +533,10 @@ class PertData:
         if write:
             out = self.data_dir / dataset_name / PROCESSED_NAME
             from gears.checkpoint import atomic_write
+            from gears.io import write_h5ad
 
-            atomic_write(out, processed.write_h5ad)  # temp + fsync + rename: never torn
+            # temp + fsync + rename: never torn
+            atomic_write(out, lambda tmp: write_h5ad(processed, tmp))
             self._log(f"wrote {out}")
         self._log(
             f"processed {dataset_name}: {processed.n_obs} cells x {processed.n_vars} genes, "
