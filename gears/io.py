@@ -167,7 +167,8 @@ def write_h5ad(adata, path: str | Path, **kwargs) -> None:
         obs=writable_frame(adata.obs),
         var=writable_frame(adata.var),
         uns=writable_uns(dict(adata.uns)),
-        layers=dict(adata.layers),
+        # anndata 0.13 lists X among the layers, under the key None
+        layers={k: v for k, v in adata.layers.items() if k is not None},
         obsp=dict(adata.obsp),
         varp=dict(adata.varp),
         **frames,

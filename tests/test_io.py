@@ -52,13 +52,17 @@ def encodings(path: Path) -> set[str]:
     return found - {""}
 
 
+@pytest.mark.parametrize("view", [False, True], ids=["object", "view"])
 @pytest.mark.parametrize("dtype", STRING_DTYPES, ids=["str", "string"])
-def test_write_h5ad_writes_pandas_string_text_as_plain_strings(tmp_path, dtype):
+def test_write_h5ad_writes_pandas_string_text_as_plain_strings(tmp_path, dtype, view):
     """anndata 0.12 refused these columns ("allow_write_nullable_strings is False") and 0.13
     writes them as nullable-string-array, which anndata < 0.11 cannot read: written through
     write_h5ad they are plain string arrays, read back equal, and the caller's object is as it
-    was."""
+    was. A view (adata[rows], as the VCC layouts write) with a layer writes the same."""
     adata = text_screen(dtype)
+    adata.layers["counts"] = adata.X * 2
+    if view:
+        adata = adata[[True, True, True]]
     before = {name: adata.obs[name].dtype for name in adata.obs.columns}
     path = tmp_path / "text.h5ad"
     write_h5ad(adata, path)
@@ -72,6 +76,7 @@ def test_write_h5ad_writes_pandas_string_text_as_plain_strings(tmp_path, dtype):
     assert list(back.uns["table"]["gene"].astype(str)) == ["A", "B"]
     assert list(back.uns["nested"]["table"]["gene"].astype(str)) == ["B"]
     np.testing.assert_array_equal(back.X, adata.X)
+    np.testing.assert_array_equal(back.layers["counts"], adata.X * 2)
     assert list(back.raw.var["gene_id"].astype(str)) == ["E1", "E2"]
     np.testing.assert_array_equal(back.raw.X, adata.raw.X)
     assert {name: adata.obs[name].dtype for name in adata.obs.columns} == before
