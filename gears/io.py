@@ -1,5 +1,6 @@
-"""Reading user files (.h5ad, JSON) with one clear error naming the file and what was found,
-and file names made from names in the data."""
+"""Reading user files (.h5ad, JSON) with one clear error naming the file and what was found;
+writing .h5ad files the same under every pandas and anndata; file names made from names in
+the data."""
 
 from __future__ import annotations
 
@@ -115,3 +116,80 @@ def read_json(path: str | Path, what: str, fix: str, expect: type = dict) -> Any
             f"{what} {path} holds a JSON {type(value).__name__}, not a {expect.__name__}; {fix}"
         )
     return value
+
+
+# ------------------------------------------------------------------------------ writing .h5ad
+# pandas 3 holds text in its own string dtype (pandas 2.3 with future.infer_string too);
+# anndata 0.12 refuses to write it unless anndata.settings.allow_write_nullable_strings, and
+# files written that way need anndata >= 0.11 to read. Every .h5ad the project writes goes
+# through write_h5ad (or writable_frame/writable_uns for write_elem), which turns that text into
+# plain object arrays: the same file under every pandas and anndata.
+
+
+def _plain_text(values):
+    """values with pandas' string dtype (in an Index, a Series or categories) as object."""
+    import pandas as pd
+
+    if isinstance(values.dtype, pd.StringDtype):
+        return values.astype(object)
+    if isinstance(values.dtype, pd.CategoricalDtype) and isinstance(
+        values.cat.categories.dtype if isinstance(values, pd.Series) else values.categories.dtype,
+        pd.StringDtype,
+    ):
+        cat = values.cat if isinstance(values, pd.Series) else values
+        plain = pd.Categorical.from_codes(
+            cat.codes, pd.Index(cat.categories, dtype=object), ordered=cat.ordered
+        )
+        return pd.Series(plain, index=values.index) if isinstance(values, pd.Series) else plain
+    return values
+
+
+def writable_frame(frame):
+    """A shallow copy of a DataFrame whose string-dtype index, columns and categories are
+    object arrays (the caller's frame is not changed)."""
+    out = frame.copy(deep=False)
+    out.index = _plain_text(out.index)
+    for name in out.columns:
+        out[name] = _plain_text(out[name])
+    return out
+
+
+def writable_uns(value):
+    """uns (a dict, nested) with every DataFrame in it through writable_frame; a copy of the
+    containers only."""
+    import pandas as pd
+
+    if isinstance(value, dict):
+        return {k: writable_uns(v) for k, v in value.items()}
+    if isinstance(value, pd.DataFrame):
+        return writable_frame(value)
+    if isinstance(value, pd.Series | pd.Index):
+        return _plain_text(value)
+    return value
+
+
+def write_h5ad(adata, path: str | Path, **kwargs) -> None:
+    """adata.write_h5ad(path, **kwargs) with its text as plain object arrays (writable_frame),
+    whatever pandas and anndata are installed. The matrices are shared, not copied; adata is
+    not changed."""
+    import anndata as ad
+
+    frames = {k: dict(getattr(adata, k)) for k in ("obsm", "varm")}
+    for mapping in frames.values():
+        for k, v in mapping.items():
+            if hasattr(v, "columns"):
+                mapping[k] = writable_frame(v)
+    plain = ad.AnnData(
+        X=adata.X,
+        obs=writable_frame(adata.obs),
+        var=writable_frame(adata.var),
+        uns=writable_uns(dict(adata.uns)),
+        # anndata 0.13 lists X among the layers, under the key None
+        layers={k: v for k, v in adata.layers.items() if k is not None},
+        obsp=dict(adata.obsp),
+        varp=dict(adata.varp),
+        **frames,
+    )
+    if adata.raw is not None:
+        plain.raw = ad.AnnData(X=adata.raw.X, obs=plain.obs, var=writable_frame(adata.raw.var))
+    plain.write_h5ad(path, **kwargs)

@@ -22,6 +22,7 @@ import scipy.sparse as sp
 
 from gears.data.conditions import CTRL
 from gears.errors import GearsInputError
+from gears.io import write_h5ad
 
 MODEL_FILE, CONFIG_FILE = "model.pt", "config.json"
 CONTROL_CELLS_FILE = "control_cells.h5ad"
@@ -45,7 +46,7 @@ def csr_rows(X, rows: np.ndarray) -> sp.csr_matrix:
 
 def atomic_write_h5ad(adata: ad.AnnData, path: Path) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    adata.write_h5ad(tmp)
+    write_h5ad(adata, tmp)
     tmp.replace(path)
 
 

@@ -769,6 +769,8 @@ def write_prediction(
     import h5py
     from anndata.io import write_elem
 
+    from gears.io import writable_frame, writable_uns
+
     _check_delta(delta, labels, controls)
     path = Path(path)
     plan = plan_cells(
@@ -801,9 +803,9 @@ def write_prediction(
     try:
         with h5py.File(handle, "w") as f:
             f.attrs.update({"encoding-type": "anndata", "encoding-version": "0.1.0"})
-            write_elem(f, "obs", plan.obs)
-            write_elem(f, "var", pd.DataFrame(index=controls.var_names.astype(str)))
-            write_elem(f, "uns", uns)
+            write_elem(f, "obs", writable_frame(plan.obs))
+            write_elem(f, "var", writable_frame(pd.DataFrame(index=controls.var_names.astype(str))))
+            write_elem(f, "uns", writable_uns(uns))
             for empty in ("obsm", "varm", "obsp", "varp", "layers"):
                 write_elem(f, empty, {})
             X = f.create_group("X")

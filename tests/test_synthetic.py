@@ -7,13 +7,16 @@ import re
 import time
 
 import numpy as np
+import pandas as pd
 import pytest
 import scipy.sparse as sp
 
 from gears.data.synthetic import (
     INTERACTION_TYPES,
+    VCC_CONTROL,
     SyntheticScreen,
     make_synthetic,
+    vcc_targets,
     write_gene2go_tsv,
 )
 from gears.errors import GearsInputError
@@ -372,3 +375,10 @@ def test_write_gene2go_tsv_round_trip(tmp_path, name):
 
 def test_default_call_is_fast(timed_default):
     assert timed_default[1] < 8.0
+
+
+@pytest.mark.parametrize("dtype", [object, "category", pd.StringDtype()])
+def test_vcc_targets_from_any_string_column(dtype):
+    """pandas 3 reads strings as its own string dtype, whose arrays numpy's np.char refuses."""
+    condition = pd.Series(["B+ctrl", "ctrl", "A+ctrl"], dtype=dtype)
+    assert list(vcc_targets(condition)) == ["B", VCC_CONTROL, "A"]

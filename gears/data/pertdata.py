@@ -562,8 +562,10 @@ class PertData:
         if write:
             out = self.data_dir / dataset_name / PROCESSED_NAME
             from gears.checkpoint import atomic_write
+            from gears.io import write_h5ad
 
-            atomic_write(out, processed.write_h5ad)  # temp + fsync + rename: never torn
+            # temp + fsync + rename: never torn
+            atomic_write(out, lambda tmp: write_h5ad(processed, tmp))
             self._log(f"wrote {out}")
         self._log(
             f"processed {dataset_name}: {processed.n_obs} cells x {processed.n_vars} genes, "
@@ -1450,6 +1452,7 @@ class PertData:
                 sink=writer.append_rows,
                 inspect=inspect,
                 transform=transform,
+                moments=de_mod.scanpy_aggregates(),
             )
             check_not_raw_counts(probe.summary())
             self.refuse_unmatched_genes()
@@ -1470,6 +1473,7 @@ class PertData:
                     np.asarray(names),
                     n_top=N_DE,
                     n_ranked=N_DE_RANKED,
+                    moments=stats.moments,
                 )
             ranked, non_dropout, non_zero_mask = _de_arrays(de, kept_conditions, names)
             means = stats.means

@@ -1,7 +1,8 @@
 """Out-of-core processing: one pass over a backed .h5ad in row chunks -> per-condition statistics.
 
 The pass validates each chunk (NaN/inf/negative), accumulates per-condition sums and sums of
-squares (all that the means, the dropout sets and scanpy's t-test need) and hands the kept rows
+squares (all that the means, the dropout sets and scanpy <= 1.11's t-test need; RunningMoments
+for scanpy >= 1.12's) and hands the kept rows
 to a sink (the store writer). Memory is O(chunk + conditions x genes), never the whole matrix.
 Raw counts are told apart (CountsProbe) or normalised per chunk (count_totals, then
 normalize_log1p) exactly as the in-memory path does on the whole matrix.
@@ -34,11 +35,86 @@ class ConditionStats:
     sums: np.ndarray  # [C, G] float64 sum of x
     sumsq: np.ndarray  # [C, G] float64 sum of float32 x*x (as scanpy's mean/variance kernels)
     max_value: float  # largest expression value seen (raw-count warning)
+    moments: RunningMoments | None = None  # scanpy >= 1.12's mean and variance (de.py)
 
     @property
     def means(self) -> np.ndarray:
         """[C, G] float64."""
         return self.sums / np.maximum(self.counts, 1)[:, None]
+
+
+class RunningMoments:
+    """Per-condition mean and variance by Welford's running update, cell after cell in row
+    order, with scanpy.get.aggregate's arithmetic (scanpy >= 1.12 takes its t-test's means
+    and variances from it): dense rows update with every value; sparse rows with their stored
+    values only, the implicit zeros merged in at the end. Each (condition, gene) is a sequence
+    of its own, so the r-th update of every one is done at once: one numpy step per rank.
+    C conditions, G genes."""
+
+    def __init__(self, n_conditions: int, n_genes: int):
+        self.mean = np.zeros((n_conditions, n_genes))
+        self.m2 = np.zeros((n_conditions, n_genes))
+        self.n = np.zeros((n_conditions, n_genes), np.int64)  # values merged so far
+        self.sparse: bool | None = None
+
+    def add(self, codes: np.ndarray, block) -> None:
+        """Rows of block [rows, G] (CSR or dense), each of condition codes[row], in order."""
+        sparse = sp.issparse(block)
+        if self.sparse is None:
+            self.sparse = sparse
+        elif self.sparse != sparse:
+            raise ValueError("RunningMoments takes sparse or dense rows, not both")
+        # Row r-th of its condition in the block: step r updates each condition once, so the
+        # rows of one step touch distinct (condition, gene) sequences, each in row order.
+        order = np.argsort(codes, kind="stable")
+        firsts = np.flatnonzero(np.r_[True, codes[order][1:] != codes[order][:-1]])
+        rank = np.empty(len(codes), np.int64)
+        rank[order] = np.arange(len(codes)) - np.repeat(firsts, np.diff(np.r_[firsts, len(codes)]))
+        steps = np.argsort(rank, kind="stable")
+        bounds = np.searchsorted(rank[steps], np.arange(rank.max(initial=-1) + 2))
+        if sparse:
+            block = sp.csr_matrix(block)[steps]
+            step_codes = codes[steps].astype(np.int64) * self.mean.shape[1]
+            mean, m2, n = self.mean.reshape(-1), self.m2.reshape(-1), self.n.reshape(-1)
+            for lo, hi in zip(bounds[:-1], bounds[1:]):
+                start, stop = block.indptr[lo], block.indptr[hi]
+                lengths = np.diff(block.indptr[lo : hi + 1])
+                key = np.repeat(step_codes[lo:hi], lengths) + block.indices[start:stop]
+                self._update(mean, m2, n, key, block.data[start:stop].astype(np.float64))
+        else:
+            block = np.asarray(block)
+            for lo, hi in zip(bounds[:-1], bounds[1:]):
+                rows = steps[lo:hi]
+                value = block[rows].astype(np.float64)
+                self._update(self.mean, self.m2, self.n, codes[rows], value)
+
+    @staticmethod
+    def _update(mean, m2, n, key, value) -> None:
+        """One Welford step of the sequences `key` (distinct), as scanpy's kernels write it."""
+        count = n[key] + 1
+        n[key] = count
+        delta = value - mean[key]
+        updated = mean[key] + delta / count
+        mean[key] = updated
+        m2[key] += delta * (value - updated)
+
+    def mean_var(self, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """([C, G] means, [C, G] variances with n - 1 in the denominator; NaN for 1 cell).
+
+        counts [C]: cells per condition."""
+        counts = np.asarray(counts, np.int64)[:, None]
+        mean, m2 = self.mean.copy(), self.m2.copy()
+        if self.sparse:  # merge each accumulator with its implicit zeros
+            zeros = counts - self.n
+            merge = (zeros > 0) & (self.n > 0)
+            mean_a = self.mean
+            mean = np.where(merge, mean_a * self.n / counts, mean)
+            m2 = np.where(merge, m2 + mean_a * mean_a * self.n * zeros / counts, m2)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            var = np.where(counts > 0, m2 / counts, 0.0)
+            denom = np.where(counts > 1, counts - 1, np.nan)
+            var *= counts / denom
+        return mean, var
 
 
 def iter_row_chunks(X, n_rows: int, chunk_cells: int) -> Iterator[tuple[int, object]]:
@@ -164,6 +240,7 @@ def stream_condition_stats(
     sink: Callable[[object], None] | None = None,
     inspect: Callable[[int, object], None] | None = None,
     transform: Callable[[object], object] | None = None,
+    moments: bool = False,
 ) -> ConditionStats:
     """One pass over the rows of X: validate, accumulate per-condition statistics, feed `sink`.
 
@@ -171,7 +248,9 @@ def stream_condition_stats(
     sink receives each chunk's kept rows in order (e.g. StoreWriter.append_rows).
     inspect(first row, chunk) sees every validated chunk, dropped rows included (the raw-counts
     probe); transform maps the kept rows before anything is summed or sunk (normalisation).
+    moments: also keep RunningMoments (what scanpy >= 1.12's t-test computes; de.py).
     """
+    running = RunningMoments(n_conditions, n_genes) if moments else None
     sums = np.zeros((n_conditions, n_genes))
     sumsq = np.zeros((n_conditions, n_genes))
     max_value = 0.0
@@ -192,7 +271,9 @@ def stream_condition_stats(
             max_value = max(max_value, float(values.max()))
         _add_group_sums(sums, block_codes, block, square=False)
         _add_group_sums(sumsq, block_codes, block, square=True)
+        if running is not None:
+            running.add(block_codes, block)
         if sink is not None:
             sink(block)
     counts = np.bincount(codes[codes >= 0], minlength=n_conditions).astype(np.int64)
-    return ConditionStats(counts=counts, sums=sums, sumsq=sumsq, max_value=max_value)
+    return ConditionStats(counts, sums, sumsq, max_value, running)

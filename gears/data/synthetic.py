@@ -62,6 +62,7 @@ from scipy.special import gammaln
 
 from gears.data.conditions import CTRL
 from gears.errors import GearsInputError
+from gears.io import write_h5ad
 
 INTERACTION_TYPES = ("additive", "synergistic", "suppressive", "epistatic", "neomorphic")
 MODES = ("crispra", "crispri")
@@ -608,10 +609,9 @@ VCC_CONTROL = "non-targeting"
 
 def vcc_targets(condition: pd.Series) -> np.ndarray:
     """GEARS conditions ('G+ctrl', 'ctrl') as the challenge's target_gene ('G', VCC_CONTROL)."""
-    condition = condition.astype(str).values
-    return np.where(
-        condition == CTRL, VCC_CONTROL, np.char.replace(condition.astype(str), f"+{CTRL}", "")
-    )
+    # A numpy str array: pandas 3's string dtype (a StringArray) has no np.char loops.
+    condition = np.asarray(condition.astype(str), dtype=str)
+    return np.where(condition == CTRL, VCC_CONTROL, np.char.replace(condition, f"+{CTRL}", ""))
 
 
 def make_vcc_layout(
@@ -709,9 +709,9 @@ def write_vcc_example(
         "counts": folder / "pert_counts_Validation.csv",
         "gene2go": folder / "gene2go.tsv",
     }
-    adata[~in_val].copy().write_h5ad(paths["training"])
+    write_h5ad(adata[~in_val], paths["training"])
     validation = adata[in_val].copy()
-    validation.write_h5ad(paths["validation"])
+    write_h5ad(validation, paths["validation"])
     write_pert_counts(validation, paths["counts"])
     write_gene2go_tsv(gene2go, paths["gene2go"])
     return paths
@@ -816,14 +816,14 @@ def write_vcc2026_example(
         "counts": folder / "pert_counts_Validation.csv",
         "gene2go": folder / "gene2go.tsv",
     }
-    adata[~in_val].copy().write_h5ad(paths["training"])
+    write_h5ad(adata[~in_val], paths["training"])
     validation = adata[in_val].copy()
     umis = np.asarray(validation.X.sum(axis=1)).ravel()
     rows = []
     for name in adata.obs["cell_line"].cat.categories:
         mine = context[in_val] == name
         paths[f"validation_{name}"] = folder / f"adata_Validation_{name}.h5ad"
-        validation[mine].copy().write_h5ad(paths[f"validation_{name}"])
+        write_h5ad(validation[mine], paths[f"validation_{name}"])
         frame = pd.DataFrame({"target": target[in_val][mine], "umi": umis[mine]})
         frame = frame[frame["target"] != VCC_CONTROL]
         per = frame.groupby("target", sort=True)["umi"].agg(["size", "median"]).reset_index()
