@@ -1541,7 +1541,8 @@ def print_summary(doc: dict) -> None:
     for t in doc.get("targets", []):
         print(
             f"  batch {t['batch']:>4} {t['config']:<14}{t['cells_per_s']:>12,.0f} cells/s "
-            f"(target {t['target']:,}), x bound {t['x_bound']:.2f} (min {t['min_x_bound']}): "
+            f"(target {'bound only' if t['target'] is None else format(t['target'], ',')}), "
+            f"x bound {t['x_bound']:.2f} (min {t['min_x_bound']}): "
             f"{t['status']} {t['why']}"
         )
     judged = [t for t in doc.get("targets", []) if t["status"] != "n/a"]

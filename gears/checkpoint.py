@@ -393,13 +393,17 @@ def _digest(*parts) -> str:
     return h.hexdigest()[:16]
 
 
+# Config keys whose value is a free-form dict: one key of the fingerprint each, compared whole.
+FREE_FORM_KEYS = ("data.synthetic", "data.subset", "model.extra")
+
+
 def flat_config(config: dict, prefix: str = "") -> dict[str, Any]:
-    """{'train': {'lr': 1e-3}} -> {'train.lr': 1e-3}; free-form dict keys (data.synthetic,
-    data.subset) stay whole values."""
+    """{'train': {'lr': 1e-3}} -> {'train.lr': 1e-3}; free-form dict keys (FREE_FORM_KEYS)
+    stay whole values."""
     out = {}
     for key, value in config.items():
         dotted = f"{prefix}{key}"
-        if isinstance(value, dict) and dotted not in ("data.synthetic", "data.subset"):
+        if isinstance(value, dict) and dotted not in FREE_FORM_KEYS:
             out.update(flat_config(value, f"{dotted}."))
         else:
             out[dotted] = value

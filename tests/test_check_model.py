@@ -191,7 +191,9 @@ def test_the_dropout_fork_trains_saves_loads_and_passes_check_model(tmp_path, ca
     run(cfg, DistEnv())
     folder = tmp_path / "run" / "model"
     assert read_model_json(folder, "config.json")["extra"] == {"dropout": 0.3}
-    loaded = GEARS(load_pert_data(cfg, DistEnv()), device="cpu").load_pretrained(folder)
+    loaded = GEARS(load_pert_data(cfg, DistEnv()), device="cpu").load_pretrained(
+        folder, trust_code=True
+    )
     assert type(loaded.model).__name__ == "DropoutGEARS" and loaded.model.dropout.p == 0.3
     capsys.readouterr()
     assert cm.main(overrides) == 0, capsys.readouterr().out
