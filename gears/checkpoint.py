@@ -371,6 +371,9 @@ DATA_PARTS = {
     "split:seed": "the split seed (it also pairs control cells)",
     "graphs": "the GO and co-expression graph edges",
     "world_size": "the number of processes (the effective batch)",
+}
+# ... and the code part, recorded only for a fork (training_state.fingerprint).
+CODE_PARTS = {
     "code:network": "the fork's network file and the modules beside it that it imports, by content",
 }
 SAMPLED_CELLS = 256
@@ -467,7 +470,8 @@ def check_resume(state: dict, path: str | Path, now: dict[str, Any]) -> None:
     for key in sorted(set(recorded) & set(now)):
         if key == "train.epochs" or may_change_on_resume(key) or recorded[key] == now[key]:
             continue
-        what = f" ({DATA_PARTS[key]})" if key in DATA_PARTS else ""
+        meaning = DATA_PARTS.get(key) or CODE_PARTS.get(key)
+        what = f" ({meaning})" if meaning else ""
         diffs.append(f"{key}{what}: checkpoint {recorded[key]!r} vs now {now[key]!r}")
     done, epochs = int(state.get("epoch", 0)), now.get("train.epochs")
     if epochs is not None:
