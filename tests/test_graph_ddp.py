@@ -168,3 +168,26 @@ def test_planned_ddp_steps_of_a_bucket_dispatch_identical_ops_and_keep_storage(t
     torch.set_num_threads(1)
     result = _spawn(tmp_path, "ops_and_storage")
     assert len(result["buckets"]) == WORLD
+
+
+def test_only_synchronised_batchnorm_keeps_ddp_eager():
+    """Under DDP the planned step is refused for distributed.sync_batchnorm alone (its batch
+    statistics are all-reduced inside the forward), with the reason; plain DDP is planned."""
+    from types import SimpleNamespace
+
+    from gears.config import DistributedConfig, TrainConfig
+    from gears.engine import planned_step_refusal
+
+    loader = SimpleNamespace(batch_sampler=[], dataset=None)
+
+    def trainer(sync_bn: bool):
+        return SimpleNamespace(
+            cfg=TrainConfig(cuda_graphs=True),
+            scaler=torch.amp.GradScaler("cuda", enabled=False),
+            env=SimpleNamespace(distributed=True, world_size=WORLD),
+            dist_cfg=DistributedConfig(sync_batchnorm=sync_bn),
+        )
+
+    assert planned_step_refusal(trainer(False), loader) is None
+    why = planned_step_refusal(trainer(True), loader)
+    assert why is not None and "distributed.sync_batchnorm=true" in why
