@@ -157,7 +157,58 @@ def _same_objects(ops: list) -> list:
     return [re.sub(r" object at 0x[0-9a-f]+", " object", repr(op)) for op in ops]
 
 
-JOBS = {"eager_and_planned": _eager_and_planned, "ops_and_storage": _ops_and_storage}
+class _PartGraph:
+    """A captured part of a DDP step (test_graph_step's stand-in): replay runs it."""
+
+    def __init__(self, runner, key):
+        self.runner, self.key = runner, key
+
+    def replay(self):
+        if self.key == "update":
+            self.runner.update_fn()
+        else:
+            self.runner.local_fn(self.key[1])
+
+    def pool(self):
+        return ("pool", id(self.runner))
+
+
+def _captured(pert_data, env: DistEnv) -> dict:
+    """On this rank, with test_graph_step's stand-in for torch.cuda's graphs: each bucket's
+    local part and the update are captured once (warm-ups undone) and replayed around the
+    all_reduce, training exactly as the uncaptured planned step."""
+    from test_graph_step import _FakeCuda
+
+    from gears.engine import set_train_mode
+
+    runners = []
+    for capture in (False, True):
+        trainer, loader = _trainer(pert_data, env, True, "random", 32, optimizer="adam")
+        runner = trainer.step_runner(loader)
+        if capture:
+            runner.capture, runner.cuda = True, _FakeCuda()
+            runner.new_graph = lambda key, r=runner: _PartGraph(r, key)
+        set_train_mode(trainer.model, trainer.net, False)
+        loader.set_epoch(0)
+        runner.plan.set_epoch(0)
+        runner.begin_epoch(0)
+        runners.append(runner)
+    plain, captured = runners
+    for i in range(len(plain.plan)):
+        plain.run(i)
+        captured.run(i)
+        for a, b in zip(plain.state_tensors(), captured.state_tensors(), strict=True):
+            assert torch.equal(a, b), i
+    keys = {("local", b) for b in captured.plan.bucket} | {"update"}
+    assert set(captured.graphs) == keys and captured.cuda.captures == len(keys)
+    return {"keys": sorted(map(str, keys))}
+
+
+JOBS = {
+    "eager_and_planned": _eager_and_planned,
+    "ops_and_storage": _ops_and_storage,
+    "captured": _captured,
+}
 
 
 @pytest.mark.slow
@@ -191,3 +242,12 @@ def test_only_synchronised_batchnorm_keeps_ddp_eager():
     assert planned_step_refusal(trainer(False), loader) is None
     why = planned_step_refusal(trainer(True), loader)
     assert why is not None and "distributed.sync_batchnorm=true" in why
+
+
+@pytest.mark.slow
+def test_planned_ddp_parts_captured_with_the_standin_train_as_uncaptured(tmp_path):
+    """The capture path under DDP on each of 2 ranks (see _captured): the graphs of the local
+    parts and of the update, replayed around the all_reduce, train as the uncaptured steps."""
+    torch.set_num_threads(1)
+    result = _spawn(tmp_path, "captured")
+    assert "update" in result["keys"] and any("local" in k for k in result["keys"])
