@@ -236,7 +236,7 @@ class StepRunner:
         self.world = trainer.env.world_size if trainer.env.distributed else 1
         self.model = trainer.model
         self.flat_grads: list[torch.Tensor] = []
-        self.synced_buffers: list[torch.Tensor] = []
+        self.synced_buffers: list[tuple[torch.Tensor, list, list]] = []
         if self.world > 1:
             self.model = trainer.net
             if trainer.cfg.compile:
@@ -245,7 +245,8 @@ class StepRunner:
             from gears.model import graph_buffer_names
 
             graphs = set(graph_buffer_names(self.net))
-            self.synced_buffers = [b for n, b in self.net.named_buffers() if n not in graphs]
+            buffers = [b for n, b in self.net.named_buffers() if n not in graphs]
+            self.synced_buffers = packed_buffers(buffers)
 
     # ------------------------------------------------------------------------- the step
     def step_fn(self, bucket: int) -> None:
@@ -298,9 +299,12 @@ class StepRunner:
 
     def broadcast_buffers(self) -> None:
         """Rank 0's buffers (batch-norm statistics; not the fixed graphs) on every rank, as
-        DistributedDataParallel broadcasts them before each forward."""
-        for buffer in self.synced_buffers:
-            dist.broadcast(buffer, src=0)
+        DistributedDataParallel broadcasts them before each forward: packed into one flat
+        buffer per dtype, one broadcast each, unpacked (the same ops on every rank)."""
+        for flat, views, buffers in self.synced_buffers:
+            torch._foreach_copy_(views, buffers)
+            dist.broadcast(flat, src=0)
+            torch._foreach_copy_(buffers, views)
 
     def run_distributed(self, bucket: int) -> None:
         """One DDP step: buffers from rank 0, the local part (replayed), the gradients averaged,
@@ -453,6 +457,24 @@ def flat_gradients(params: list[torch.Tensor]) -> list[torch.Tensor]:
             offset += p.numel()
         flats.append(flat)
     return flats
+
+
+def packed_buffers(buffers: list[torch.Tensor]) -> list[tuple[torch.Tensor, list, list]]:
+    """(flat buffer, its views shaped as the buffers, the buffers) per dtype, allocated once:
+    the buffers are copied in and out of the flat one around a broadcast (they stay where
+    they are: the module's attributes and a captured graph read them there)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for b in buffers:
+        by_dtype.setdefault(b.dtype, []).append(b)
+    packed = []
+    for dtype, group in by_dtype.items():
+        flat = torch.zeros(sum(b.numel() for b in group), dtype=dtype, device=group[0].device)
+        views, offset = [], 0
+        for b in group:
+            views.append(flat[offset : offset + b.numel()].view_as(b))
+            offset += b.numel()
+        packed.append((flat, views, group))
+    return packed
 
 
 def planned_loss(trainer, batch: PlanBatch, model=None) -> torch.Tensor:

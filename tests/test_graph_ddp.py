@@ -143,6 +143,21 @@ def _ops_and_storage(pert_data, env: DistEnv) -> dict:
     first, second = recorded[i - 1], recorded[j - 1]
     assert len(first) > 100 and first == second
     assert sum("c10d.allreduce_" in op for op in first) == 1
+
+    # Rank 0's batch-norm statistics on every rank after the broadcast that opens a step (each
+    # rank's own batches moved them apart in its last step), as DDP's before a forward.
+    def gathered():
+        stats = {n: b.clone() for n, b in trainer.net.named_buffers() if "running" in n}
+        out = [None] * env.world_size
+        torch.distributed.all_gather_object(out, stats)
+        return out
+
+    apart = gathered()
+    assert any(not torch.equal(v, apart[1][k]) for k, v in apart[0].items())
+    runner.broadcast_buffers()
+    together = gathered()
+    assert all(torch.equal(v, together[1][k]) for k, v in together[0].items())
+    assert all(torch.equal(v, together[0][k]) for k, v in apart[0].items())
     everyone = [None] * env.world_size  # the same bucket for step k on every rank
     torch.distributed.all_gather_object(everyone, runner.plan.bucket)
     assert all(b == everyone[0] for b in everyone)
