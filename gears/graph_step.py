@@ -241,7 +241,6 @@ class StepRunner:
             self.model = trainer.net
             if trainer.cfg.compile:
                 self.model = torch.compile(trainer.net, dynamic=False)
-            self.flat_grads = flat_gradients(self.params)
             from gears.model import graph_buffer_names
 
             graphs = set(graph_buffer_names(self.net))
@@ -274,7 +273,8 @@ class StepRunner:
         gradients, the accumulators, the cursor. Same ops and shapes for every batch of a
         bucket."""
         plan = self.plan
-        torch._foreach_zero_(self.flat_grads)
+        if self.flat_grads:  # (the first step creates the gradients: flat_grads_of_used)
+            torch._foreach_zero_(self.flat_grads)
         loss = planned_loss(self.trainer, plan.read(bucket), self.model)
         loss.backward()
         loss = loss.detach()
@@ -313,6 +313,8 @@ class StepRunner:
         parts = ((("local", bucket), lambda: self.local_fn(bucket)), ("update", self.update_fn))
         for n, (key, fn) in enumerate(parts):
             if n == 1:
+                if not self.flat_grads:
+                    self.flat_grads_of_used()
                 self.average_gradients()
             if self.stepped and self.capture and key not in self.graphs:
                 self.graphs[key] = self._capture(key, fn)
@@ -355,6 +357,18 @@ class StepRunner:
         self.plan.cursor.fill_(start)
         self.loss_sum.zero_()
         self.first_bad.fill_(-1)
+
+    def flat_grads_of_used(self) -> None:
+        """After the first local part: the gradients of the parameters it used on any rank
+        (the same set at every step: one fixed function per bucket) moved into views of one
+        flat buffer, the same layout on every rank. A parameter no rank used keeps no
+        gradient, so the optimizer skips it, as after eager DDP's backward."""
+        used = torch.tensor([p.grad is not None for p in self.params], dtype=torch.long)
+        if dist.get_backend() == "nccl":
+            used = used.to(self.trainer.device)
+        dist.all_reduce(used, op=dist.ReduceOp.MAX)
+        chosen = [p for p, u in zip(self.params, used.cpu().tolist(), strict=True) if u]
+        self.flat_grads = flat_gradients(chosen)
 
     def agree_buckets(self) -> None:
         """Every rank's bucket for step k: the largest of the ranks' (one all_reduce of the
@@ -443,8 +457,8 @@ def tensor_lr(opt: torch.optim.Optimizer) -> None:
 
 def flat_gradients(params: list[torch.Tensor]) -> list[torch.Tensor]:
     """Each parameter's gradient set to a view of one flat buffer per dtype (one in practice),
-    allocated once and zeroed: backward accumulates into the views in place, and one
-    all_reduce averages all of them. -> the flat buffers."""
+    allocated once, holding the gradient it had (zero for none): backward accumulates into the
+    views in place, and one all_reduce averages all of them. -> the flat buffers."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in params:
         by_dtype.setdefault(p.dtype, []).append(p)
@@ -453,7 +467,10 @@ def flat_gradients(params: list[torch.Tensor]) -> list[torch.Tensor]:
         flat = torch.zeros(sum(p.numel() for p in group), dtype=dtype, device=group[0].device)
         offset = 0
         for p in group:
-            p.grad = flat[offset : offset + p.numel()].view_as(p)
+            view = flat[offset : offset + p.numel()].view_as(p)
+            if p.grad is not None:
+                view.copy_(p.grad)
+            p.grad = view
             offset += p.numel()
         flats.append(flat)
     return flats

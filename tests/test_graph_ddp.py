@@ -29,7 +29,9 @@ SGD = dict(
 )
 
 
-def _trainer(pert_data, env: DistEnv, planned: bool, batching: str, batch_size: int, **kw):
+def _trainer(
+    pert_data, env: DistEnv, planned: bool, batching: str, batch_size: int, unused=False, **kw
+):
     from gears.api import GEARS
     from gears.config import ModelConfig, TrainConfig
     from gears.engine import Trainer, seed_everything
@@ -45,6 +47,8 @@ def _trainer(pert_data, env: DistEnv, planned: bool, batching: str, batch_size: 
         batching=batching,
         cells_per_group=CELLS,
     )
+    if unused:  # a parameter the forward never reads (eager DDP's optimizer skips it)
+        model.model.register_parameter("unused_weight", torch.nn.Parameter(torch.ones(3)))
     trainer = Trainer(model.model, pert_data, cfg, model.model_config(), env)
     return trainer, loaders["train_loader"]
 
@@ -116,7 +120,9 @@ def _ops_and_storage(pert_data, env: DistEnv) -> dict:
     from gears.engine import set_train_mode
     from gears.opcount import OpRecorder
 
-    trainer, loader = _trainer(pert_data, env, True, "random", 32, optimizer="adam")
+    trainer, loader = _trainer(
+        pert_data, env, True, "random", 32, unused=True, optimizer="adam", weight_decay=5e-4
+    )
     runner = trainer.step_runner(loader)
     assert runner is not None
     set_train_mode(trainer.model, trainer.net, False)
@@ -143,6 +149,9 @@ def _ops_and_storage(pert_data, env: DistEnv) -> dict:
     first, second = recorded[i - 1], recorded[j - 1]
     assert len(first) > 100 and first == second
     assert sum("c10d.allreduce_" in op for op in first) == 1
+    # The parameter no rank used has no gradient and Adam (weight decay 5e-4) left it alone.
+    unused = trainer.net.unused_weight
+    assert unused.grad is None and torch.equal(unused.detach(), torch.ones(3))
 
     # Rank 0's batch-norm statistics on every rank after the broadcast that opens a step (each
     # rank's own batches moved them apart in its last step), as DDP's before a forward.
