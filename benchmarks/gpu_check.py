@@ -27,7 +27,10 @@ a check is expected to take on one H100 (16 cores); limit: when it is killed.
            batch-norm, batches of whole perturbation groups. 2 ranks sharing one GPU over gloo;
            NCCL over min(GPUs, 8) ranks when 2+ GPUs are visible. Saved weights agree within
            atol 1e-4 + rtol 1e-4 (CPU noise through this harness: 2.6e-6; unsynchronised
-           batch-norm statistics: 0.05-0.12).
+           batch-norm statistics: 0.05-0.12). One more gloo row with the planned step
+           (train.cuda_graphs=true, replayed as CUDA graphs on a GPU), frozen instead of
+           synchronised batch-norm (which stays eager), both runs planned: the same equality,
+           and neither run may fall back to eager steps.
   restart  budget 90 s, limit 180 s. torchrun --max-restarts=1 with rank 1 SIGKILLed inside
            epoch 2 (GEARS_FAULT_KILL): the log says "resumed from" the epoch-1 checkpoint and
            the final weights equal an uninterrupted run's bit for bit (GEARS_DETERMINISTIC=1).
@@ -1167,32 +1170,53 @@ DDP_PROTOCOL = [
 ]
 
 
+# The planned row (train.cuda_graphs): synchronised batch-norm stays eager, so frozen instead.
+DDP_PLANNED = [
+    "distributed.sync_batchnorm=false",
+    "train.freeze_batchnorm=true",
+    "train.cuda_graphs=true",
+]
+
+
 def check_ddp(run: CheckRun) -> dict:
     ctx = run.ctx
-    variants = []  # (label, ranks, backend, device of the ranks, device of the 1-process run)
+    # (label, ranks, backend, device of the ranks, device of the 1-process run, overrides)
+    variants = []
     if ctx.device == "cpu":
-        variants.append(("gloo, 2 CPU ranks", 2, "gloo", "cpu", "cpu"))
+        variants.append(("gloo, 2 CPU ranks", 2, "gloo", "cpu", "cpu", []))
+        variants.append(("gloo, 2 CPU ranks, planned", 2, "gloo", "cpu", "cpu", DDP_PLANNED))
     else:
-        variants.append(("gloo, 2 ranks on 1 GPU", 2, "gloo", "cuda", "cuda:0"))
+        variants.append(("gloo, 2 ranks on 1 GPU", 2, "gloo", "cuda", "cuda:0", []))
+        variants.append(
+            ("gloo, 2 ranks on 1 GPU, CUDA graphs", 2, "gloo", "cuda", "cuda:0", DDP_PLANNED)
+        )
         if ctx.gpus >= 2:
             n = min(ctx.gpus, 8)
-            variants.append((f"nccl, {n} GPUs", n, "nccl", "cuda", "cuda:0"))
+            variants.append((f"nccl, {n} GPUs", n, "nccl", "cuda", "cuda:0", []))
     rows = {}
-    for label, n, backend, device, single_device in variants:
-        folder = run.folder / f"{backend}{n}"
+    for label, n, backend, device, single_device, extra in variants:
+        name = f"{backend}{n}" + ("_planned" if extra else "")
+        folder = run.folder / name
         single = folder / "single"
         one = single_run(
-            run, single, [*DDP_PROTOCOL, f"train.batch_size={n * PER_RANK_BATCH}"],
-            single_device, f"ddp_{backend}{n}_single",
+            run, single, [*DDP_PROTOCOL, *extra, f"train.batch_size={n * PER_RANK_BATCH}"],
+            single_device, f"ddp_{name}_single",
         )  # fmt: skip
         multi = folder / "ranks"
         cmd = [sys.executable, "train_distributed.py", "--nproc", n, f"device={device}"]
         cmd += [f"distributed.backend={backend}", f"out_dir={multi}", "wandb.mode=disabled"]
-        cmd += [f"data.data_dir={folder / 'ranks_data'}", *DDP_PROTOCOL]
+        cmd += [f"data.data_dir={folder / 'ranks_data'}", *DDP_PROTOCOL, *extra]
         cmd += [f"train.batch_size={PER_RANK_BATCH}"]
-        many = run.run(cmd, f"ddp_{backend}{n}_ranks")
+        many = run.run(cmd, f"ddp_{name}_ranks")
         bad = [p.why() for p in (one.wait(), many) if p.rc != 0]
         bad += [why] if (why := cuda_evidence(run, Path(f"{single}.probe.json"))) else []
+        if extra:  # the planned step, not its eager fallback (one line says why)
+            bad += [
+                f"{p.log.name}: {ln.strip()}"
+                for p in (one, many)
+                for ln in p.text().splitlines()
+                if "train.cuda_graphs:" in ln
+            ]
         if bad:
             rows[label] = result("fail", "; ".join(bad))
             continue

@@ -189,7 +189,7 @@ class PlannedWatch:
 
 def planned_step_refusal(trainer: Trainer, loader) -> str | None:
     """Why the planned step cannot train this run (None: it can). fp16's GradScaler, gradient
-    accumulation and DDP stay eager for now."""
+    accumulation and synchronised batch-norm under DDP stay eager for now."""
     cfg = trainer.cfg
     if not hasattr(loader, "batch_sampler") or not hasattr(loader, "dataset"):
         return "the training loader is no EpochLoader"
@@ -197,8 +197,11 @@ def planned_step_refusal(trainer: Trainer, loader) -> str | None:
         return "train.precision=fp16 (GradScaler) is not planned yet"
     if cfg.grad_accum_steps > 1:
         return "train.grad_accum_steps > 1 is not planned yet"
-    if trainer.env.distributed:
-        return "several processes (DDP) are not planned yet"
+    if trainer.env.distributed and trainer.dist_cfg.sync_batchnorm:
+        return (
+            "distributed.sync_batchnorm=true under DDP (batch statistics all-reduced inside "
+            "the forward) is not planned yet"
+        )
     return None
 
 

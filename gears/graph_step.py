@@ -19,6 +19,14 @@ accumulators (loss sum, first non-finite batch) keeping their storage. On CUDA e
 step is captured once as a CUDA graph (after a warm-up on a side stream, all graphs in one
 memory pool) and replayed; on CPU the same function is called on the same buffers, so that
 everything but the capture call runs in every test.
+
+Under DDP (several processes) the graph goes around the local part: per bucket, forward, loss
+and backward into gradients that are views of one flat buffer (allocated once) are one
+function, replayed; the flat buffer is then averaged over the ranks by one eager all_reduce
+(gloo on CPU, NCCL on GPUs), and clipping and the optimizer step are a second function,
+replayed. Before the local part rank 0's buffers are broadcast, as DistributedDataParallel does
+before each forward. Every rank takes the same bucket for step k (the largest of the ranks',
+agreed once an epoch), so the ranks run the same shapes.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from gears.device import to_device, to_host
 from gears.model.batch import ModelBatch, predicted_expression, split_output
@@ -222,6 +231,21 @@ class StepRunner:
         self.generation = plan.generation
         self.captured_storage: tuple[int, ...] = ()
         tensor_lr(self.opt)
+        # DDP: the local part calls the network itself (DistributedDataParallel's hooks would
+        # all-reduce inside the backward), compiled as the wrapper would be with train.compile.
+        self.world = trainer.env.world_size if trainer.env.distributed else 1
+        self.model = trainer.model
+        self.flat_grads: list[torch.Tensor] = []
+        self.synced_buffers: list[tuple[torch.Tensor, list, list]] = []
+        if self.world > 1:
+            self.model = trainer.net
+            if trainer.cfg.compile:
+                self.model = torch.compile(trainer.net, dynamic=False)
+            from gears.model import graph_buffer_names
+
+            graphs = set(graph_buffer_names(self.net))
+            buffers = [b for n, b in self.net.named_buffers() if n not in graphs]
+            self.synced_buffers = packed_buffers(buffers)
 
     # ------------------------------------------------------------------------- the step
     def step_fn(self, bucket: int) -> None:
@@ -244,12 +268,72 @@ class StepRunner:
         self.first_bad.copy_(torch.where(bad, plan.cursor[0], self.first_bad))
         plan.cursor.add_(1)
 
+    def local_fn(self, bucket: int) -> None:
+        """DDP's first part, this rank's alone: forward, loss and backward into the flat
+        gradients, the accumulators, the cursor. Same ops and shapes for every batch of a
+        bucket."""
+        plan = self.plan
+        if self.flat_grads:  # (the first step creates the gradients: flat_grads_of_used)
+            torch._foreach_zero_(self.flat_grads)
+        loss = planned_loss(self.trainer, plan.read(bucket), self.model)
+        loss.backward()
+        loss = loss.detach()
+        self.last_loss.copy_(loss)
+        self.loss_sum.add_(loss)
+        bad = (self.first_bad < 0) & ~torch.isfinite(loss)
+        self.first_bad.copy_(torch.where(bad, plan.cursor[0], self.first_bad))
+        plan.cursor.add_(1)
+
+    def update_fn(self) -> None:
+        """DDP's last part, on the averaged gradients: clipping and the optimizer step."""
+        if self.trainer.cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_value_(self.params, self.trainer.cfg.grad_clip, foreach=True)
+        self.opt.step()
+
+    def average_gradients(self) -> None:
+        """The flat gradients averaged over the ranks, eagerly between two replays: divided by
+        the world size, then one all_reduce (a sum), as DistributedDataParallel's default."""
+        for flat in self.flat_grads:
+            flat.div_(self.world)
+            dist.all_reduce(flat)
+
+    def broadcast_buffers(self) -> None:
+        """Rank 0's buffers (batch-norm statistics; not the fixed graphs) on every rank, as
+        DistributedDataParallel broadcasts them before each forward: packed into one flat
+        buffer per dtype, one broadcast each, unpacked (the same ops on every rank)."""
+        for flat, views, buffers in self.synced_buffers:
+            torch._foreach_copy_(views, buffers)
+            dist.broadcast(flat, src=0)
+            torch._foreach_copy_(buffers, views)
+
+    def run_distributed(self, bucket: int) -> None:
+        """One DDP step: buffers from rank 0, the local part (replayed), the gradients averaged,
+        the update (replayed). Captured on CUDA after a first, uncaptured step."""
+        self.broadcast_buffers()
+        parts = ((("local", bucket), lambda: self.local_fn(bucket)), ("update", self.update_fn))
+        for n, (key, fn) in enumerate(parts):
+            if n == 1:
+                if not self.flat_grads:
+                    self.flat_grads_of_used()
+                self.average_gradients()
+            if self.stepped and self.capture and key not in self.graphs:
+                self.graphs[key] = self._capture(key, fn)
+            graph = self.graphs.get(key) if self.stepped else None
+            if graph is not None:
+                graph.replay()
+            else:
+                fn()
+        self.stepped = True
+
     def run(self, i: int) -> None:
         """Train on batch i (the cursor's): the bucket's graph replayed, or the step called."""
         bucket = self.plan.bucket[i]
         if self.plan.generation != self.generation:  # the plan's storage moved: recapture
             self.graphs.clear()
             self.generation = self.plan.generation
+        if self.world > 1:
+            self.run_distributed(bucket)
+            return
         if not self.stepped:  # gradients and optimizer state are created by this first step
             self.step_fn(bucket)
             self.stepped = True
@@ -268,9 +352,32 @@ class StepRunner:
         optimizer state, a new learning-rate tensor, the plan reallocated)."""
         if self.capture and self.graphs and self.storage() != self.captured_storage:
             self.graphs.clear()
+        if self.world > 1:
+            self.agree_buckets()
         self.plan.cursor.fill_(start)
         self.loss_sum.zero_()
         self.first_bad.fill_(-1)
+
+    def flat_grads_of_used(self) -> None:
+        """After the first local part: the gradients of the parameters it used on any rank
+        (the same set at every step: one fixed function per bucket) moved into views of one
+        flat buffer, the same layout on every rank. A parameter no rank used keeps no
+        gradient, so the optimizer skips it, as after eager DDP's backward."""
+        used = torch.tensor([p.grad is not None for p in self.params], dtype=torch.long)
+        if dist.get_backend() == "nccl":
+            used = used.to(self.trainer.device)
+        dist.all_reduce(used, op=dist.ReduceOp.MAX)
+        chosen = [p for p, u in zip(self.params, used.cpu().tolist(), strict=True) if u]
+        self.flat_grads = flat_gradients(chosen)
+
+    def agree_buckets(self) -> None:
+        """Every rank's bucket for step k: the largest of the ranks' (one all_reduce of the
+        epoch's buckets), so that the ranks run the same shapes. The padding rows weigh 0."""
+        mine = torch.tensor(self.plan.bucket, dtype=torch.long)
+        if dist.get_backend() == "nccl":
+            mine = mine.to(self.trainer.device)
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+        self.plan.bucket = mine.cpu().tolist()
 
     # ---------------------------------------------------------------------------- capture
     def storage(self) -> tuple[int, ...]:
@@ -294,12 +401,15 @@ class StepRunner:
     # warm-up, the undoing of its effects, the pool and the fallback then run on the CPU).
     cuda = torch.cuda
 
-    def new_graph(self, bucket: int):
+    def new_graph(self, bucket):
         return torch.cuda.CUDAGraph()
 
-    def _capture(self, bucket: int):
-        """The bucket's step as a CUDA graph: warm-up steps on a side stream (their effects
-        undone), then the capture; None (and one line) when capturing fails: eager steps."""
+    def _capture(self, bucket, fn=None):
+        """The bucket's step (or under DDP one part of it, `fn`, keyed by `bucket`) as a CUDA
+        graph: warm-up calls on a side stream (their effects undone), then the capture; None
+        (and one line) when capturing fails: eager steps."""
+        if fn is None:
+            fn = lambda: self.step_fn(bucket)  # noqa: E731
         state = self.state_tensors()
         saved = [t.clone() for t in state]
         try:
@@ -308,11 +418,11 @@ class StepRunner:
             side.wait_stream(cuda.current_stream())
             with cuda.stream(side):
                 for _ in range(2):
-                    self.step_fn(bucket)
+                    fn()
             cuda.current_stream().wait_stream(side)
             graph = self.new_graph(bucket)
             with cuda.graph(graph, pool=self.pool):
-                self.step_fn(bucket)
+                fn()
             if self.pool is None:
                 self.pool = graph.pool()
             self.captured_storage = self.storage()
@@ -345,10 +455,50 @@ def tensor_lr(opt: torch.optim.Optimizer) -> None:
             group["lr"] = to_device(torch.tensor(float(lr), dtype=dtype), device)
 
 
-def planned_loss(trainer, batch: PlanBatch) -> torch.Tensor:
+def flat_gradients(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each parameter's gradient set to a view of one flat buffer per dtype (one in practice),
+    allocated once, holding the gradient it had (zero for none): backward accumulates into the
+    views in place, and one all_reduce averages all of them. -> the flat buffers."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in params:
+        by_dtype.setdefault(p.dtype, []).append(p)
+    flats = []
+    for dtype, group in by_dtype.items():
+        flat = torch.zeros(sum(p.numel() for p in group), dtype=dtype, device=group[0].device)
+        offset = 0
+        for p in group:
+            view = flat[offset : offset + p.numel()].view_as(p)
+            if p.grad is not None:
+                view.copy_(p.grad)
+            p.grad = view
+            offset += p.numel()
+        flats.append(flat)
+    return flats
+
+
+def packed_buffers(buffers: list[torch.Tensor]) -> list[tuple[torch.Tensor, list, list]]:
+    """(flat buffer, its views shaped as the buffers, the buffers) per dtype, allocated once:
+    the buffers are copied in and out of the flat one around a broadcast (they stay where
+    they are: the module's attributes and a captured graph read them there)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for b in buffers:
+        by_dtype.setdefault(b.dtype, []).append(b)
+    packed = []
+    for dtype, group in by_dtype.items():
+        flat = torch.zeros(sum(b.numel() for b in group), dtype=dtype, device=group[0].device)
+        views, offset = [], 0
+        for b in group:
+            views.append(flat[offset : offset + b.numel()].view_as(b))
+            offset += b.numel()
+        packed.append((flat, views, group))
+    return packed
+
+
+def planned_loss(trainer, batch: PlanBatch, model=None) -> torch.Tensor:
     """The loss of a planned batch: the padded distinct rows weighted by their counts (padding
     rows weigh 0), or one row per cell for a network that reads x or asks for per-cell rows;
-    GEARS's loss over the real groups (n_groups). Trainer.loss_on's numbers."""
+    GEARS's loss over the real groups (n_groups). Trainer.loss_on's numbers. model: the module
+    called (default the trainer's; the network itself under DDP)."""
     B = batch.x.shape[0]
     codes = {name: batch.uniq_covariates[name] for name in trainer.covariates}
     if trainer.per_cell:
@@ -362,7 +512,7 @@ def planned_loss(trainer, batch: PlanBatch) -> torch.Tensor:
         rows = ModelBatch(batch.uniq_pert_index, batch.counts, None, codes, float(B))
     compiled = trainer.cfg.compile
     with autocast_uncached(trainer), compiled_backward_config() if compiled else _none():
-        out = trainer.model(rows)
+        out = (trainer.model if model is None else model)(rows)
     change, logvar = split_output(out)
     if not trainer.per_cell:
         change = gather_rows(change, batch.inverse)

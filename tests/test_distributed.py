@@ -205,6 +205,18 @@ def test_spawn_nproc_2_writes_the_single_process_outputs(spawn_run):
 
 
 @pytest.mark.slow
+def test_spawn_nproc_2_trains_with_the_planned_step(tmp_path):
+    """train.cuda_graphs=true under DDP (CPU, gloo): the planned step trains (no line saying
+    the run fell back to eager steps) and the run writes the single-process outputs."""
+    run = _spawn_run(tmp_path, "train.cuda_graphs=true")
+    assert run.ok(), run.why()
+    assert "train.cuda_graphs" not in run.stdout + run.stderr
+    _assert_run_dir(_run_dir(run), world_size=2)
+    assert run.stdout.count(TABLE_HEADER) == 1
+    assert "Traceback" not in run.stderr
+
+
+@pytest.mark.slow
 def test_torchrun_equals_spawn(torchrun_run, spawn_run):
     """Same config and seed under two launchers: the same model, to float precision."""
     assert torchrun_run.ok(), torchrun_run.why()
