@@ -413,16 +413,7 @@ class StepRunner:
         state = self.state_tensors()
         saved = [t.clone() for t in state]
         try:
-            cuda = self.cuda
-            side = cuda.Stream()
-            side.wait_stream(cuda.current_stream())
-            with cuda.stream(side):
-                for _ in range(2):
-                    fn()
-            cuda.current_stream().wait_stream(side)
-            graph = self.new_graph(bucket)
-            with cuda.graph(graph, pool=self.pool):
-                fn()
+            graph = capture_graph(self.cuda, fn, lambda: self.new_graph(bucket), self.pool)
             if self.pool is None:
                 self.pool = graph.pool()
             self.captured_storage = self.storage()
@@ -430,16 +421,37 @@ class StepRunner:
             graph = None
             self.capture = False
             if self.trainer.env.is_main:
-                first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-                print(
-                    f"train.cuda_graphs: capturing the step failed ({type(error).__name__}: "
-                    f"{first}); training with eager steps",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                capture_failed("the step", "training with eager steps", error)
         with torch.no_grad():
             torch._foreach_copy_(state, saved)
         return graph
+
+
+def capture_graph(cuda, fn, new_graph, pool):
+    """fn() captured as a CUDA graph: two warm-up calls on a side stream (the first calls of an
+    op allocate and choose kernels, which a capture must not see), then the capture into
+    new_graph() in `pool` (None: a new one). -> the graph; raises when capturing fails.
+    `cuda` is torch.cuda, or the tests' CPU stand-in for it."""
+    side = cuda.Stream()
+    side.wait_stream(cuda.current_stream())
+    with cuda.stream(side):
+        for _ in range(2):
+            fn()
+    cuda.current_stream().wait_stream(side)
+    graph = new_graph()
+    with cuda.graph(graph, pool=pool):
+        fn()
+    return graph
+
+
+def capture_failed(what: str, fallback: str, error: Exception) -> None:
+    """The one line a capture that failed prints (rank 0): what, why, and what runs instead."""
+    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    print(
+        f"train.cuda_graphs: capturing {what} failed ({type(error).__name__}: {first}); {fallback}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def tensor_lr(opt: torch.optim.Optimizer) -> None:
@@ -637,16 +649,9 @@ class ForwardRunner:
         capture); None (and one line) when capturing fails: the forward then runs uncaptured.
         An eval-mode forward changes no state, so nothing is undone."""
         try:
-            cuda = self.cuda
-            side = cuda.Stream()
-            side.wait_stream(cuda.current_stream())
-            with cuda.stream(side):
-                for _ in range(2):
-                    self.forward_fn(key)
-            cuda.current_stream().wait_stream(side)
-            graph = self.new_graph(key)
-            with cuda.graph(graph, pool=self.pool):
-                self.forward_fn(key)
+            graph = capture_graph(
+                self.cuda, lambda: self.forward_fn(key), lambda: self.new_graph(key), self.pool
+            )
             if self.pool is None:
                 self.pool = graph.pool()
             self.captured_storage = self.storage()
@@ -654,11 +659,5 @@ class ForwardRunner:
         except Exception as error:  # noqa: BLE001 - any capture failure falls back to eager
             self.capture = False
             if self.is_main:
-                first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-                print(
-                    f"train.cuda_graphs: capturing the evaluation forward failed "
-                    f"({type(error).__name__}: {first}); evaluating with eager forwards",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                capture_failed("the evaluation forward", "evaluating with eager forwards", error)
             return None
