@@ -502,3 +502,33 @@ def test_planned_run_resumes_an_eager_checkpoint_with_a_capturable_optimizer(lin
     assert all(g["capturable"] for g in resumed.opt.param_groups)
     resumed.fit(loaders, progress=False)
     assert resumed.runner is not None and resumed.step == 6
+
+
+@pytest.mark.slow
+def test_compiled_network_inside_the_planned_step_is_the_planned_step(lines):
+    """train.compile together with the planned step (the compiled network inside what a GPU
+    captures): from the same state, each of 3 steps of one bucket equals the uncompiled planned
+    step within 1e-6 (float64: parameters, buffers, optimizer state)."""
+    torch.set_num_threads(1)  # (the suite's fixture restores the count)
+    plain, plain_loaders = _trainer(lines, "fast", planned=True, double=True)
+    compiled, compiled_loaders = _trainer(lines, "fast", planned=True, double=True, compile=True)
+    runners = [
+        t.step_runner(ld["train_loader"])
+        for t, ld in ((plain, plain_loaders), (compiled, compiled_loaders))
+    ]
+    assert all(r is not None for r in runners)
+    assert compiled.cfg.compile and runners[1].model is not compiled.net  # the compiled wrapper
+    for t, r in zip((plain, compiled), runners, strict=True):
+        set_train_mode(t.model, t.net, False)
+        r.plan.set_epoch(0)
+        r.begin_epoch(0)
+    for i in range(3):
+        _copy_state(plain, compiled)
+        for r in runners:
+            r.run(i)
+        diff, name = _max_diff(plain.net.state_dict(), compiled.net.state_dict())
+        assert diff <= 1e-6, (i, name, diff)
+        for p_a, p_b in zip(plain.net.parameters(), compiled.net.parameters(), strict=True):
+            for key, value in plain.opt.state[p_a].items():
+                got = compiled.opt.state[p_b][key]
+                assert (got.double() - value.double()).abs().max() <= 1e-6, (i, key)
