@@ -316,13 +316,10 @@ class StepRunner:
                 if not self.flat_grads:
                     self.flat_grads_of_used()
                 self.average_gradients()
-            if self.stepped and self.capture and key not in self.graphs:
-                self.graphs[key] = self._capture(key, fn)
-            graph = self.graphs.get(key) if self.stepped else None
-            if graph is not None:
-                graph.replay()
-            else:
-                fn()
+            capture = self.stepped and self.capture
+            replay_or_call(
+                self.graphs, key, fn, capture and (lambda k=key, f=fn: self._capture(k, f))
+            )
         self.stepped = True
 
     def run(self, i: int) -> None:
@@ -338,13 +335,12 @@ class StepRunner:
             self.step_fn(bucket)
             self.stepped = True
             return
-        if self.capture and bucket not in self.graphs:
-            self.graphs[bucket] = self._capture(bucket)
-        graph = self.graphs.get(bucket)
-        if graph is not None:
-            graph.replay()
-        else:
-            self.step_fn(bucket)
+        replay_or_call(
+            self.graphs,
+            bucket,
+            lambda: self.step_fn(bucket),
+            self.capture and (lambda: self._capture(bucket)),
+        )
 
     def begin_epoch(self, start: int) -> None:
         """At an epoch's start (start > 0: resuming within it): cursor and accumulators; the
@@ -425,6 +421,19 @@ class StepRunner:
         with torch.no_grad():
             torch._foreach_copy_(state, saved)
         return graph
+
+
+def replay_or_call(graphs: dict, key, fn, capture) -> None:
+    """key's graph replayed; captured first by capture() (-> the graph, or None when capturing
+    failed) when capture is given and key has none yet; fn() itself where there is no graph
+    (capture off, or failed)."""
+    if capture and key not in graphs:
+        graphs[key] = capture()
+    graph = graphs.get(key)
+    if graph is not None:
+        graph.replay()
+    else:
+        fn()
 
 
 def capture_graph(cuda, fn, new_graph, pool):
@@ -590,13 +599,12 @@ class ForwardRunner:
                 static[name][n:].fill_(pad)
         if self.capture and self.graphs and self.storage() != self.captured_storage:
             self.graphs.clear()  # the parameters (or buffers) moved: capture again
-        if self.capture and key not in self.graphs:
-            self.graphs[key] = self._capture(key)
-        graph = self.graphs.get(key)
-        if graph is not None:
-            graph.replay()
-        else:
-            self.forward_fn(key)
+        replay_or_call(
+            self.graphs,
+            key,
+            lambda: self.forward_fn(key),
+            self.capture and (lambda: self._capture(key)),
+        )
         logvar = static.get("logvar")  # (copies: the next chunk overwrites the buffers)
         return (
             to_host(static["delta"][:n]).numpy().copy(),
