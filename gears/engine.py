@@ -473,15 +473,22 @@ class Trainer:
             check_output(out, self.net, rows.inputs.pert_index.shape[0], self.ctrl_mean.shape[-1])
             self.output_checked = True
         change, logvar = cell_outputs(out, rows)
-        pred = predicted_expression(change, batch.x)
+        return self.cell_loss(batch, change, logvar)
+
+    def cell_loss(self, batch, change, logvar, n_groups=None) -> torch.Tensor:
+        """GEARS's loss (gears_loss, given every loss field of the model config) of each cell's
+        prediction: its control cell + its change [cells, G] (logvar: the uncertainty head's,
+        or None). n_groups: the batch's group count as a device number (the planned step's
+        padded batches), None: counted from batch.inverse."""
         return gears_loss(
-            pred,
+            predicted_expression(change, batch.x),
             batch.y,
             batch.inverse,
             batch.counts,
             self.gene_mask[batch.uniq_cond],
             self.ctrl_mean,
             logvar=None if logvar is None else logvar.float(),
+            n_groups=n_groups,
             **self.model_cfg.loss_params(),
         )
 

@@ -40,9 +40,8 @@ import torch
 import torch.distributed as dist
 
 from gears.device import to_device, to_host
-from gears.model.batch import ModelBatch, predicted_expression, split_output
+from gears.model.batch import ModelBatch, split_output
 from gears.model.kernels import gather_rows
-from gears.model.losses import gears_loss
 from gears.torch_compat import compiled_backward_config
 
 # A batch's distinct groups are padded to one of this many sizes (multiples of 8 up to the
@@ -538,18 +537,7 @@ def planned_loss(trainer, batch: PlanBatch, model=None) -> torch.Tensor:
     if not trainer.per_cell:
         change = gather_rows(change, batch.inverse)
         logvar = None if logvar is None else gather_rows(logvar, batch.inverse)
-    pred = predicted_expression(change, batch.x)
-    return gears_loss(
-        pred,
-        batch.y,
-        batch.inverse,
-        batch.counts,
-        trainer.gene_mask[batch.uniq_cond],
-        trainer.ctrl_mean,
-        logvar=None if logvar is None else logvar.float(),
-        n_groups=batch.n_groups,
-        **trainer.model_cfg.loss_params(),
-    )
+    return trainer.cell_loss(batch, change, logvar, n_groups=batch.n_groups)
 
 
 def _none():
