@@ -747,6 +747,25 @@ def child_speed(spec: dict) -> dict:
     }
 
 
+@contextlib.contextmanager
+def syncs_into(found: list, device):
+    """The block's host syncs (watch_host_syncs) and, on CUDA, the sync debug mode's warnings
+    (cuda_sync_warnings), appended to `found` when the block ends."""
+    import warnings
+
+    import torch
+
+    with contextlib.ExitStack() as stack:
+        caught = stack.enter_context(warnings.catch_warnings(record=True))
+        warnings.simplefilter("always")
+        if device.type == "cuda":
+            torch.cuda.set_sync_debug_mode("warn")
+            stack.callback(torch.cuda.set_sync_debug_mode, "default")
+        watched = stack.enter_context(watch_host_syncs())
+        yield
+    found += watched + cuda_sync_warnings(caught)
+
+
 def cuda_sync_warnings(caught) -> list[str]:
     """The warnings of synchronizing CUDA operations among those recorded (the sync debug
     mode's "warn"), as "CUDA: <message>". Not the notice torch prints the first time the mode
@@ -776,7 +795,6 @@ def child_no_sync(spec: dict) -> dict:
     """Steady-state Trainer.train_step calls watched for host syncs, per precision and batch
     kind (the batch is moved to the device before the watch: the step is what is checked)."""
     import copy
-    import warnings
 
     import torch
 
@@ -819,19 +837,11 @@ def child_no_sync(spec: dict) -> dict:
                     trainer.train_step(batch, layout, True)
                     continue
                 layouts.add(row_layout_name(layout))
-                with contextlib.ExitStack() as stack:
-                    caught = stack.enter_context(warnings.catch_warnings(record=True))
-                    warnings.simplefilter("always")
-                    if device.type == "cuda":
-                        torch.cuda.set_sync_debug_mode("warn")
-                        stack.callback(torch.cuda.set_sync_debug_mode, "default")
-                    watched = stack.enter_context(watch_host_syncs())
+                with syncs_into(found, device):
                     try:
                         trainer.train_step(batch, layout, True)
                     except HostReadError as e:
                         found.append(f"host read: {str(e)[:300]}")
-                found += watched
-                found += cuda_sync_warnings(caught)
                 steps += 1
             rows.append(
                 {
@@ -848,9 +858,6 @@ def planned_no_sync(pert_data, net0, precision: str, device) -> dict:
     """The planned step (train.cuda_graphs, gears/graph_step.py) called eagerly, not captured,
     under the same watch: the step function a CUDA graph would hold makes no host sync."""
     import copy
-    import warnings
-
-    import torch
 
     from gears.config import ModelConfig, TrainConfig
     from gears.distributed import DistEnv
@@ -875,15 +882,8 @@ def planned_no_sync(pert_data, net0, precision: str, device) -> dict:
         if i < 2:  # warm-up: the first step allocates gradients and optimizer state
             runner.run(i)
             continue
-        with contextlib.ExitStack() as stack:
-            caught = stack.enter_context(warnings.catch_warnings(record=True))
-            warnings.simplefilter("always")
-            if device.type == "cuda":
-                torch.cuda.set_sync_debug_mode("warn")
-                stack.callback(torch.cuda.set_sync_debug_mode, "default")
-            watched = stack.enter_context(watch_host_syncs())
+        with syncs_into(found, device):
             runner.run(i)
-        found += watched + cuda_sync_warnings(caught)
         steps += 1
     return {**row, "layouts": ["planned step"], "steps": steps, "syncs": sorted(set(found))}
 
