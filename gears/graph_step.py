@@ -230,16 +230,13 @@ class StepRunner:
         self.generation = plan.generation
         self.captured_storage: tuple[int, ...] = ()
         tensor_lr(self.opt)
-        # DDP: the local part calls the network itself (DistributedDataParallel's hooks would
-        # all-reduce inside the backward), compiled as the wrapper would be with train.compile.
+        # DDP: the trainer's module is the network itself, compiled with train.compile, with no
+        # DistributedDataParallel (the runner averages the gradients: average_gradients).
         self.world = trainer.env.world_size if trainer.env.distributed else 1
         self.model = trainer.model
         self.flat_grads: list[torch.Tensor] = []
         self.synced_buffers: list[tuple[torch.Tensor, list, list]] = []
         if self.world > 1:
-            self.model = trainer.net
-            if trainer.cfg.compile:
-                self.model = torch.compile(trainer.net, dynamic=False)
             from gears.model import graph_buffer_names
 
             graphs = set(graph_buffer_names(self.net))
@@ -407,8 +404,15 @@ class StepRunner:
             fn = lambda: self.step_fn(bucket)  # noqa: E731
         state = self.state_tensors()
         saved = [t.clone() for t in state]
+
+        def restore():
+            with torch.no_grad():
+                torch._foreach_copy_(state, saved)
+
         try:
-            graph = capture_graph(self.cuda, fn, lambda: self.new_graph(bucket), self.pool)
+            graph = capture_graph(
+                self.cuda, fn, lambda: self.new_graph(bucket), self.pool, reset=restore
+            )
             if self.pool is None:
                 self.pool = graph.pool()
             self.captured_storage = self.storage()
@@ -417,8 +421,7 @@ class StepRunner:
             self.capture = False
             if self.trainer.env.is_main:
                 capture_failed("the step", "training with eager steps", error)
-        with torch.no_grad():
-            torch._foreach_copy_(state, saved)
+        restore()
         return graph
 
 
@@ -435,17 +438,24 @@ def replay_or_call(graphs: dict, key, fn, capture) -> None:
         fn()
 
 
-def capture_graph(cuda, fn, new_graph, pool):
+def capture_graph(cuda, fn, new_graph, pool, reset=None):
     """fn() captured as a CUDA graph: two warm-up calls on a side stream (the first calls of an
     op allocate and choose kernels, which a capture must not see), then the capture into
     new_graph() in `pool` (None: a new one). -> the graph; raises when capturing fails.
+    reset(): called before each warm-up call and before the capture, so that each starts from
+    the same state (the training step's cursor at the batch being captured: a warm-up that
+    read the next batches could index past the bucket's rows or past the epoch's plan).
     `cuda` is torch.cuda, or the tests' CPU stand-in for it."""
     side = cuda.Stream()
     side.wait_stream(cuda.current_stream())
     with cuda.stream(side):
         for _ in range(2):
+            if reset is not None:
+                reset()
             fn()
     cuda.current_stream().wait_stream(side)
+    if reset is not None:
+        reset()
     graph = new_graph()
     with cuda.graph(graph, pool=pool):
         fn()

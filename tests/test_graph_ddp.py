@@ -228,7 +228,53 @@ def _captured(pert_data, env: DistEnv) -> dict:
     return {"keys": sorted(map(str, keys))}
 
 
+def _wrapper(pert_data, env: DistEnv) -> dict:
+    """On this rank: the planned step's trainer holds no DistributedDataParallel (its reducer
+    keeps every parameter's gradient accumulator alive from the stream it was built on, and a
+    capture on a side stream then fails: "operation failed due to a previous error during
+    capture" on the GPU), yet every rank starts from rank 0's parameters and buffers, as DDP's
+    constructor makes them; a run whose plan is refused at its first epoch gets the wrapper."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from gears.api import GEARS
+    from gears.config import ModelConfig, TrainConfig
+    from gears.engine import Trainer, seed_everything
+
+    def ddp(trainer) -> bool:
+        return isinstance(
+            getattr(trainer.model, "_orig_mod", trainer.model), DistributedDataParallel
+        )
+
+    out = {}
+    for accum in (1, 2):  # (grad_accum_steps=2: the plan is refused, eager DDP steps)
+        seed_everything(env.rank)  # a different initialisation on each rank
+        model = GEARS(pert_data, device="cpu").initialize(ModelConfig(hidden_size=8))
+        for b in model.model.buffers():
+            if b.is_floating_point():
+                b.fill_(float(env.rank))
+        cfg = TrainConfig(batch_size=8, cuda_graphs=True, grad_accum_steps=accum)
+        trainer = Trainer(model.model, pert_data, cfg, model.model_config(), env)
+        mine = torch.cat(
+            [t.detach().reshape(-1).double() for t in trainer.net.state_dict().values()]
+        )
+        gathered = [torch.zeros_like(mine) for _ in range(env.world_size)]
+        torch.distributed.all_gather(gathered, mine)
+        before = ddp(trainer)
+        loader = pert_data.get_dataloader_distributed(
+            8, 64, world_size=env.world_size, rank=env.rank
+        )["train_loader"]
+        runner = trainer.step_runner(loader)
+        out[accum] = {
+            "ddp_before": before,
+            "ddp_after": ddp(trainer),
+            "planned": runner is not None,
+            "same_start": all(torch.equal(gathered[0], g) for g in gathered),
+        }
+    return out
+
+
 JOBS = {
+    "wrapper": _wrapper,
     "eager_and_planned": _eager_and_planned,
     "ops_and_storage": _ops_and_storage,
     "captured": _captured,
@@ -275,3 +321,23 @@ def test_planned_ddp_parts_captured_with_the_standin_train_as_uncaptured(tmp_pat
     torch.set_num_threads(1)
     result = _spawn(tmp_path, "captured")
     assert "update" in result["keys"] and any("local" in k for k in result["keys"])
+
+
+def test_planned_ddp_builds_no_wrapper_and_starts_every_rank_from_rank_0(tmp_path):
+    """See _wrapper: on 2 gloo ranks initialised differently, the planned trainer has no
+    DistributedDataParallel and every rank holds rank 0's parameters and buffers; with the plan
+    refused (gradient accumulation) the wrapper is built at the first epoch."""
+    torch.set_num_threads(1)
+    result = _spawn(tmp_path, "wrapper")
+    assert result[1] == {
+        "ddp_before": False,
+        "ddp_after": False,
+        "planned": True,
+        "same_start": True,
+    }
+    assert result[2] == {
+        "ddp_before": False,
+        "ddp_after": True,
+        "planned": False,
+        "same_start": True,
+    }

@@ -206,6 +206,7 @@ def test_forward_has_no_host_sync_or_host_tensor_under_the_standin(tmp_path, mon
         runner.run(p, None, {})
         (key,) = runner.static
         device = list(runner.static[key].values()) + list(net.parameters()) + list(net.buffers())
+        device += list(net._dense_graphs.values())  # (fixed_shape_graphs's, not buffers)
         recorder, host = OpRecorder(), HostTensorWatch(device)
         with SyncGuard(), recorder, host:
             for _ in range(2):

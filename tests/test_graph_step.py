@@ -333,9 +333,12 @@ def test_step_keeps_storage_and_rebinds_no_attribute(lines):
     assert int(runner.plan.cursor) == 4
 
 
-def test_step_has_no_host_sync_or_host_tensor_under_the_standin(tmp_path, monkeypatch):
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_step_has_no_host_sync_or_host_tensor_under_the_standin(tmp_path, monkeypatch, optimizer):
     """GEARS_DEVICE_STANDIN=1: the plan, model and optimizer on the stand-in device; the steps
-    make no host sync (SyncGuard), read no host tensor, and copy nothing from the host."""
+    make no host sync (SyncGuard), read no host tensor, and copy nothing from the host. With
+    each optimizer (SGD's foreach update reads a tensor learning rate on the host: a capture
+    on a GPU then fails)."""
     from gears.device import STANDIN_ENV
     from gears.opcount import HostTensorWatch, OpRecorder, SyncGuard
 
@@ -349,7 +352,7 @@ def test_step_has_no_host_sync_or_host_tensor_under_the_standin(tmp_path, monkey
 
     seed_everything(0)
     model = GEARS(pert_data, device="cpu").initialize(ModelConfig(hidden_size=8))
-    cfg = TrainConfig(batch_size=8, cuda_graphs=True)
+    cfg = TrainConfig(batch_size=8, cuda_graphs=True, optimizer=optimizer)
     loader = pert_data.get_dataloader_distributed(8, 64, device="cpu")["train_loader"]
     trainer = Trainer(model.model, pert_data, cfg, model.model_config(), DistEnv())
     runner = trainer.step_runner(loader)
@@ -361,6 +364,7 @@ def test_step_has_no_host_sync_or_host_tensor_under_the_standin(tmp_path, monkey
     runner.run(0)
     device = runner.state_tensors() + list(runner.plan.tensors.values()) + [runner.plan.expr]
     device += [g["lr"] for g in trainer.opt.param_groups] + list(trainer.net.buffers())
+    device += list(trainer.net._dense_graphs.values())  # (fixed_shape_graphs's)
     device += [trainer.gene_mask, trainer.ctrl_mean]
     recorder, host = OpRecorder(), HostTensorWatch(device)
     with SyncGuard(), recorder, host:
@@ -463,6 +467,32 @@ def test_capture_undoes_its_warm_up_and_replays_the_step(lines, capsys, fail):
         ]
 
 
+def test_capture_warms_up_and_captures_on_the_batch_it_captures(lines, capsys):
+    """The warm-up calls and the capture each start from the state before them: they read the
+    batch being captured, not the cursor's next ones, which may belong to a larger bucket (their
+    groups then index past the captured bucket's rows) or lie past the epoch's last batch (the
+    plan's rows indexed out of range: a device-side assert on a GPU). Captured at the epoch's
+    last batch here: a warm-up that moved the cursor reads past the plan."""
+    torch.set_num_threads(1)
+    trainer, runner = _captured_runner(lines)
+    plan, read = runner.plan, runner.plan.read
+    cursors = []
+
+    def reading(bucket, index=None):
+        cursors.append(int(plan.cursor))
+        return read(bucket, index)
+
+    plan.read = reading
+    last = len(plan) - 1
+    assert last >= 3
+    plan.cursor.fill_(last)
+    runner.run(last)
+    assert "capturing" not in capsys.readouterr().err
+    assert runner.graphs.get(plan.bucket[last]) is not None
+    # two warm-up calls, the capture (the stand-in runs it) and the replay: all at `last`
+    assert cursors == [last] * 4 and int(plan.cursor) == last + 1
+
+
 @pytest.mark.parametrize("check_every", [1, 4])
 def test_planned_nan_loss_names_epoch_step_and_the_batch_conditions(tiny, tmp_path, check_every):
     """The planned step's device flag (the first bad batch of the epoch) read at the check
@@ -500,6 +530,23 @@ def test_planned_run_resumes_an_eager_checkpoint_with_a_capturable_optimizer(lin
     resumed.out_dir, resumed.planned = str(tmp_path), True
     assert resumed.resume()
     assert all(g["capturable"] for g in resumed.opt.param_groups)
+    resumed.fit(loaders, progress=False)
+    assert resumed.runner is not None and resumed.step == 6
+
+
+def test_planned_run_resumes_its_own_checkpoint(lines, tmp_path):
+    """A planned run checkpointed and resumed by a planned run (a killed rank restarted): the
+    checkpoint's fingerprint is the run's, not that of the dense graph products the planned step
+    builds at its first epoch (a fingerprint taken after them refused the resume on a GPU:
+    "these differ: graphs")."""
+    kw = {"limit_batches": 3, "schedule": "constant"}
+    first, loaders = _trainer(lines, "fast", planned=True, epochs=1, **kw)
+    first.out_dir = str(tmp_path)
+    first.fit(loaders, progress=False)
+    assert first.runner is not None
+    resumed, loaders = _trainer(lines, "fast", planned=True, epochs=2, **kw)
+    resumed.out_dir = str(tmp_path)
+    assert resumed.resume()
     resumed.fit(loaders, progress=False)
     assert resumed.runner is not None and resumed.step == 6
 

@@ -31,7 +31,7 @@ from gears.model.kernels import (
 )
 from gears.model.reference import gears_layers
 
-# fixed_shape_graphs: a propagation matrix up to this size becomes a dense [N, N] buffer
+# fixed_shape_graphs: a propagation matrix up to this size becomes a dense [N, N] matrix
 # (20,000 genes: 1.6 GB in fp32, beyond it; 5,000 genes: 100 MB).
 DENSE_GRAPH_BYTES = 1 << 30
 
@@ -99,6 +99,9 @@ class GEARSNet(nn.Module):
         # them. The normalised propagation matrices (and their transposes, for the gradient)
         # are built once here: no gcn_norm (and its host syncs) in the forward.
         self._graph_buffers: list[str] = []
+        # fixed_shape_graphs's dense products, by graph: derived from the graph buffers, so
+        # kept out of the module's buffers (and of a run's fingerprint, which hashes those).
+        self._dense_graphs: dict[str, torch.Tensor] = {}
         self._register_graph("go_edge_index", go_edge_index.long())
         self._register_graph("go_edge_weight", go_edge_weight.float())
         self._register_graph("co_edge_index", coexpress_edge_index.long())
@@ -144,9 +147,9 @@ class GEARSNet(nn.Module):
         sparse tensor is built per call, so a captured step (gears/graph_step.py) holds only
         fixed-shape kernels. Same products to float rounding (summation order)."""
         for name in ("co",) if self.go_rows_gathered else ("go", "co"):
-            if hasattr(self, f"{name}_adj_dense"):
+            crow, col, values = self._sparse_graph(name)[:3]
+            if name in self._dense_graphs and self._dense_graphs[name].device == crow.device:
                 continue
-            crow, col, values = self._graph(name)[:3]
             n = crow.numel() - 1
             if n * n * values.element_size() > limit_bytes:
                 continue
@@ -155,14 +158,19 @@ class GEARSNet(nn.Module):
                 dense = torch.sparse_csr_tensor(
                     to_host(crow), to_host(col), to_host(values), (n, n), check_invariants=False
                 ).to_dense()
-            self._register_graph(f"{name}_adj_dense", to_device(dense, crow.device))
+            self._dense_graphs[name] = to_device(dense, crow.device)
 
     def _graph(self, name: str) -> tuple[torch.Tensor, ...]:
         """(crow, col, values, crow_t, col_t, values_t) of the "go" or "co" propagation matrix,
-        or (dense,) after fixed_shape_graphs."""
-        dense = getattr(self, f"{name}_adj_dense", None)
+        or (dense,) after fixed_shape_graphs (made again if the module moved since)."""
+        dense = self._dense_graphs.get(name)
         if dense is not None:
-            return (dense,)
+            if dense.device != getattr(self, f"{name}_adj_crow").device:
+                self.fixed_shape_graphs()
+            return (self._dense_graphs[name],)
+        return self._sparse_graph(name)
+
+    def _sparse_graph(self, name: str) -> tuple[torch.Tensor, ...]:
         parts = ("crow", "col", "values")
         return tuple(
             getattr(self, f"{name}_adj_{p}{suffix}") for suffix in ("", "_t") for p in parts
