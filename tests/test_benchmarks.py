@@ -335,8 +335,16 @@ def test_gpu_check_speed_on_cpu_measures_norman_mix_against_the_targets(tmp_path
     # the planned step ran (not captured on the CPU), beside the eager one from one start
     assert rows["graphs fp32"]["planned"] and rows["graphs fp32"]["graphs_captured"] == []
     assert not rows["eager fp32"]["planned"]
+    # engine rows: a whole epoch's rate, its setup (the plan's upload) paid once, not per block
+    for config in ("eager fp32", "eager bf16", "graphs fp32"):
+        r = rows[config]
+        assert r["epoch_setup_ms"] > 0 and r["epoch_steps"] >= speed["steps"]
+        epoch_s = (r["epoch_steps"] * r["step_ms"] + r["epoch_setup_ms"]) / 1e3
+        assert r["cells_per_s"] == pytest.approx(32 * r["epoch_steps"] / epoch_s, rel=1e-2)
+        assert r["block_step_ms"] >= r["step_ms"]
     agreement = speed["agreement"]
     assert agreement["steps"] == 20 and agreement["planned"] and agreement["max_param_diff"] >= 0
+    assert 0 <= agreement["max_relative_diff"] and agreement["worst_relative"]
     assert set(speed["graphs_vs_eager_fp32"]) == {"step_ms", "cells_per_s", "speedup"}
     targets = {t["config"]: t for t in doc["targets"]}
     assert set(targets) == {"eager fp32", "eager bf16", "graphs fp32"}
