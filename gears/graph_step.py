@@ -304,7 +304,13 @@ class StepRunner:
 
     def run_distributed(self, bucket: int) -> None:
         """One DDP step: buffers from rank 0, the local part (replayed), the gradients averaged,
-        the update (replayed). Captured on CUDA after a first, uncaptured step."""
+        the update (replayed). Captured on CUDA after a first, uncaptured step (undone when
+        capturing: dry_step)."""
+        if self.capture and not self.stepped:
+            self.dry_step(lambda: self._distributed_parts(bucket))
+        self._distributed_parts(bucket)
+
+    def _distributed_parts(self, bucket: int) -> None:
         self.broadcast_buffers()
         parts = ((("local", bucket), lambda: self.local_fn(bucket)), ("update", self.update_fn))
         for n, (key, fn) in enumerate(parts):
@@ -328,15 +334,38 @@ class StepRunner:
             self.run_distributed(bucket)
             return
         if not self.stepped:  # gradients and optimizer state are created by this first step
-            self.step_fn(bucket)
+            if not self.capture:
+                self.step_fn(bucket)
+                self.stepped = True
+                return
+            self.dry_step(lambda: self.step_fn(bucket))
             self.stepped = True
-            return
         replay_or_call(
             self.graphs,
             bucket,
             lambda: self.step_fn(bucket),
             self.capture and (lambda: self._capture(bucket)),
         )
+
+    def dry_step(self, step) -> None:
+        """A process's first step, step(), run and undone: it allocates the gradients and the
+        optimizer state, which a capture needs, and leaves the state as it found it (what
+        existed restored, what it created zeroed: a fresh optimizer state, Adam's step 0).
+        Every step a capturing runner trains is then a replay, so that a run resumed in a new
+        process takes the same kernels at every step as one that never stopped (an uncaptured
+        first step may round differently from the graph's replays)."""
+        before = self.state_tensors()
+        saved = [t.clone() for t in before]
+        step()
+        def where(t):  # (state_tensors gives new objects for the same storage: p.data)
+            return t.data_ptr(), tuple(t.shape), t.dtype
+
+        known = {where(t) for t in before}
+        with torch.no_grad():
+            torch._foreach_copy_(before, saved)
+            created = [t for t in self.state_tensors() if where(t) not in known]
+            if created:
+                torch._foreach_zero_(created)
 
     def begin_epoch(self, start: int) -> None:
         """At an epoch's start (start > 0: resuming within it): cursor and accumulators; the

@@ -467,6 +467,33 @@ def test_capture_undoes_its_warm_up_and_replays_the_step(lines, capsys, fail):
         ]
 
 
+def test_a_capturing_runner_replays_its_first_step_too(lines, capsys):
+    """A process's first step (which allocates the gradients and the optimizer state) is run and
+    undone, then captured and replayed like every other: a run resumed in a new process then
+    takes the replayed kernels at every step, as the run that never stopped did (on a GPU an
+    uncaptured step may round differently: a resumed 2-rank run differed by 2.4e-2). The
+    state after each step equals the uncaptured runner's."""
+    torch.set_num_threads(1)
+    plain_trainer, plain = _runner(lines, 32)  # (its first step is uncaptured: no capture)
+    trainer, loaders = _trainer(lines, "fast", planned=True, batch_size=32)
+    loader = loaders["train_loader"]
+    runner = trainer.step_runner(loader)
+    runner.capture, runner.cuda = True, _FakeCuda()
+    runner.new_graph = lambda bucket: _FakeGraph(runner, bucket)
+    set_train_mode(trainer.model, trainer.net, False)
+    loader.set_epoch(0)
+    runner.plan.set_epoch(0)
+    runner.begin_epoch(0)
+    runner.run(0)
+    assert set(runner.graphs) == {runner.plan.bucket[0]}
+    for i in range(1, 5):
+        for a, b in zip(plain.state_tensors(), runner.state_tensors(), strict=True):
+            assert torch.equal(a, b), i
+        plain.run(i)
+        runner.run(i)
+    assert "capturing" not in capsys.readouterr().err
+
+
 def test_capture_warms_up_and_captures_on_the_batch_it_captures(lines, capsys):
     """The warm-up calls and the capture each start from the state before them: they read the
     batch being captured, not the cursor's next ones, which may belong to a larger bucket (their
