@@ -357,6 +357,7 @@ class StepRunner:
         before = self.state_tensors()
         saved = [t.clone() for t in before]
         step()
+
         def where(t):  # (state_tensors gives new objects for the same storage: p.data)
             return t.data_ptr(), tuple(t.shape), t.dtype
 
