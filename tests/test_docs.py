@@ -601,7 +601,6 @@ NOT_MEASURED = {
     ("docs/gpus_and_clusters.md", "300 s"): "gpu_check's limit per stage, a setting",
     ("docs/gpus_and_clusters.md", "240 s"): "the CPU twin's limit per check, a setting",
     ("docs/gpus_and_clusters.md", "4 h"): "the default of distributed.data_wait_s",
-    ("docs/gpus_and_clusters.md", "20,000 cells/s"): "the goal of the replayed step, a target",
     ("docs/gpus_and_clusters.md", "30 min"): "the default of distributed.timeout_s",
     ("docs/changing_the_model.md", "1.001"): "the factor the oracle tests' mutation check scales "
     "a hand-written backward by, a setting",
