@@ -22,21 +22,18 @@ from gears.data.loaders import EpochLoader, ExampleSet, eval_loader, train_loade
 from gears.data.pipeline import (
     Processed,
     ReadOptions,
+    StoreSettings,
+    load_file,
+    load_synthetic,
     process_adata,
     process_context,
     process_file,
 )
-from gears.data.pooling import check_contexts
 from gears.data.read import (
     AUTO_STORE_BYTES,
     PROCESSED_NAME,
-    dataset_file,
     source_record,
-    subset_cells,
-    synthetic_gene2go,
-    wants_store,
 )
-from gears.data.synthetic import make_synthetic
 from gears.data.vocabulary import (
     GeneSources,
     Vocabulary,
@@ -44,7 +41,7 @@ from gears.data.vocabulary import (
     resolve_unmapped_perts,
 )
 from gears.errors import GearsInputError
-from gears.io import read_h5ad, write_h5ad
+from gears.io import write_h5ad
 
 
 class PertData:
@@ -170,55 +167,28 @@ class PertData:
         refuses naming the column (what train_single.py does), True pools them, None (the
         default here) pools them and says so (set_context_key may follow).
         """
-        if data_name == "synthetic":
-            params = dict(synthetic_params or {})
-            self.synthetic = make_synthetic(**params)
-            self.gene2go_path = self.gene2go_user
-            if self.gene2go_path is None:  # rank 0 writes it; the others find it
-                self.gene2go_path = synthetic_gene2go(self.data_dir, params, self.synthetic.gene2go)
-            return self.new_data_process(
-                "synthetic", self.synthetic.adata, write=False, context_key=context_key
-            )
-        name, path = dataset_file(data_name, data_path, self.data_dir, self.mirror_url)
         self.gene2go_path = self.gene2go_user
-        if wants_store(path, self.store_mode, AUTO_STORE_BYTES):
-            return self.process_backed(
-                name,
-                path,
-                subset=subset,
-                condition_key=condition_key,
-                control_names=tuple(control_names),
-                normalize=normalize,
-                context_key=context_key,
-                target_sum=target_sum,
-                pool_contexts=pool_contexts,
+        if data_name == "synthetic":
+            processed, self.synthetic, self.gene2go_path = load_synthetic(
+                dict(synthetic_params or {}), context_key, self._sources(), self._log
             )
-        self._source = source_record(path, subset, condition_key, control_names, normalize)
-        adata = subset_cells(read_h5ad(path), subset)
-        if context_key is None:
-            check_contexts(
-                adata,
-                None,
+        else:
+            opts = ReadOptions(
+                condition_key, "+", tuple(control_names), normalize, context_key, target_sum
+            )
+            processed, self._source = load_file(
+                data_name,
+                data_path,
+                opts,
+                self._sources(),
+                self._store_settings(),
                 subset=subset,
-                condition_key=condition_key,
-                control_names=control_names,
-                normalize=normalize,
                 pool_contexts=pool_contexts,
                 log=self._log,
             )
-        # Reuse DE results stored in the file (ours, or GEARS's keyed by condition_name).
-        return self.new_data_process(
-            name,
-            adata,
-            condition_key=condition_key,
-            control_names=tuple(control_names),
-            normalize=normalize,
-            skip_calc_de=True,
-            write=False,
-            copy_x=False,
-            context_key=context_key,
-            target_sum=target_sum,
-        )
+        self._adopt(processed)
+        self._say_processed()
+        return self
 
     def new_data_process(
         self,
@@ -250,7 +220,6 @@ class PertData:
         and `context_view` then serve one context at a time.
         DE results go to `.uns` under the keys in gears.data.de.DE_KEYS, keyed by condition.
         """
-        t0 = time.perf_counter()
         opts = ReadOptions(
             condition_key, sep, tuple(control_names), normalize, context_key, target_sum
         )
@@ -269,17 +238,28 @@ class PertData:
             # temp + fsync + rename: never torn
             atomic_write(out, lambda tmp: write_h5ad(processed.adata, tmp))
             self._log(f"wrote {out}")
-        self._log(
-            f"processed {dataset_name}: {processed.adata.n_obs} cells x "
-            f"{processed.adata.n_vars} genes, "
-            f"{len(self.conditions)} conditions in {time.perf_counter() - t0:.1f}s"
-        )
+        self._say_processed()
         return self
+
+    def _say_processed(self) -> None:
+        """The line that closes processing: cells, genes, conditions and seconds taken."""
+        seconds = time.perf_counter() - self._started
+        if self.store is not None:
+            self._log(
+                f"{self.dataset_name}: {self.adata.n_obs} cells x {self.n_genes} genes, "
+                f"{len(self.conditions)} conditions from the {self.store.meta['layout']} "
+                f"store in {seconds:.1f}s"
+            )
+        else:
+            self._log(
+                f"processed {self.dataset_name}: {self.adata.n_obs} cells x "
+                f"{self.adata.n_vars} genes, {len(self.conditions)} conditions in {seconds:.1f}s"
+            )
 
     def _adopt(self, p: Processed) -> None:
         """Hold a pipeline's result: its cells, tables and vocabulary become PertData's
         attributes (cell-gears's names); splits, loaders and graphs start afresh."""
-        self.dataset_name = p.dataset_name
+        self.dataset_name, self._started = p.dataset_name, p.started
         self.store, self._cond_means = p.store, p.cond_means
         self.report = p.report
         self.condition_key, self.condition_spelling = p.condition_key, p.condition_spelling
@@ -638,11 +618,11 @@ class PertData:
         context_key: as in new_data_process; each cell's context is stored with it.
         pool_contexts: as in load.
         """
-        t0 = time.perf_counter()
         self._source = source_record(Path(path), subset, condition_key, control_names, normalize)
         opts = ReadOptions(
             condition_key, sep, tuple(control_names), normalize, context_key, target_sum
         )
+        settings = self._store_settings()
         processed = process_file(
             dataset_name,
             Path(path),
@@ -650,19 +630,17 @@ class PertData:
             self._sources(),
             subset=subset,
             pool_contexts=pool_contexts,
-            store_dir=self.store_dir,
-            data_dir=self.data_dir,
-            chunk_cells=self.chunk_cells,
+            store_dir=settings.store_dir,
+            chunk_cells=settings.chunk_cells,
             log=self._log,
         )
         self.context_key = context_key
         self._adopt(processed)
-        self._log(
-            f"{dataset_name}: {self.adata.n_obs} cells x {self.n_genes} genes, "
-            f"{len(self.conditions)} conditions from the {self.store.meta['layout']} store in "
-            f"{time.perf_counter() - t0:.1f}s"
-        )
+        self._say_processed()
         return self
+
+    def _store_settings(self) -> StoreSettings:
+        return StoreSettings(self.store_mode, self.store_dir, self.chunk_cells, AUTO_STORE_BYTES)
 
     def __repr__(self) -> str:
         if self.adata is None:

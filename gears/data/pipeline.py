@@ -4,6 +4,7 @@ Each stage lives in its own module; PertData holds the `Processed` result."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -28,7 +29,16 @@ from gears.data.loaders import ExpressionMatrix
 from gears.data.normalise import check_normalize, normalise
 from gears.data.outofcore import build_store, store_params, store_root
 from gears.data.pooling import check_contexts
-from gears.data.read import subset_mask
+from gears.data.read import (
+    AUTO_STORE_BYTES,
+    dataset_file,
+    source_record,
+    subset_cells,
+    subset_mask,
+    synthetic_gene2go,
+    wants_store,
+)
+from gears.data.synthetic import SyntheticScreen, make_synthetic
 from gears.data.validate import (
     check_controls,
     check_not_raw_counts,
@@ -80,10 +90,73 @@ class Processed:
     context_labels: tuple[str, np.ndarray] | None = None  # (column, [cells] str)
     store: store_mod.Store | None = None
     cond_means: np.ndarray | None = None  # [conditions, genes], memory-mapped from a store
+    started: float = field(default_factory=time.perf_counter)  # when processing began
 
     @property
     def ctrl_rows(self) -> np.ndarray:
         return np.flatnonzero(self.cell_condition == self.conditions.index(CTRL))
+
+
+@dataclass(frozen=True)
+class StoreSettings:
+    """data.store (auto | memory | mmap), data.store_dir, data.chunk_cells, and the size above
+    which data.store=auto processes a file out of core."""
+
+    mode: str = "auto"
+    store_dir: str | Path | None = None
+    chunk_cells: int = 20000
+    auto_bytes: int = AUTO_STORE_BYTES
+
+
+def load_synthetic(
+    params: dict, context_key: str | None, sources: GeneSources, log: Log
+) -> tuple[Processed, SyntheticScreen, Path]:
+    """The synthetic screen made from params, processed in memory, with its own GO
+    annotations (written under data_dir once) unless sources name a GO file.
+    -> (the result, the screen, the GO file)."""
+    screen = make_synthetic(**params)
+    gene2go = sources.gene2go
+    if gene2go is None:  # rank 0 writes it; the others find it
+        gene2go = synthetic_gene2go(sources.data_dir, params, screen.gene2go)
+    opts = ReadOptions(context_key=context_key)
+    processed = process_adata(
+        "synthetic", screen.adata, opts, replace(sources, gene2go=gene2go),
+        skip_calc_de=False, copy_x=True, log=log,
+    )  # fmt: skip
+    return processed, screen, gene2go
+
+
+def load_file(
+    data_name: str | None,
+    data_path: str | Path | None,
+    opts: ReadOptions,
+    sources: GeneSources,
+    settings: StoreSettings,
+    *,
+    subset: dict | None,
+    pool_contexts: bool | None,
+    log: Log,
+) -> tuple[Processed, dict]:
+    """A named dataset or an .h5ad file, processed in memory or out of core (data.store).
+    -> (the result, how the file was read: read.source_record)."""
+    name, path = dataset_file(data_name, data_path, sources.data_dir, sources.mirror_url)
+    source = source_record(path, subset, opts.condition_key, opts.control_names, opts.normalize)
+    if wants_store(path, settings.mode, settings.auto_bytes):
+        processed = process_file(
+            name, path, opts, sources, subset=subset, pool_contexts=pool_contexts,
+            store_dir=settings.store_dir, chunk_cells=settings.chunk_cells, log=log,
+        )  # fmt: skip
+        return processed, source
+    adata = subset_cells(read_h5ad(path), subset)
+    if opts.context_key is None:
+        check_contexts(
+            adata, None, subset=subset, condition_key=opts.condition_key,
+            control_names=opts.control_names, normalize=opts.normalize,
+            pool_contexts=pool_contexts, log=log,
+        )  # fmt: skip
+    # Reuse DE results stored in the file (ours, or GEARS's keyed by condition_name).
+    processed = process_adata(name, adata, opts, sources, skip_calc_de=True, copy_x=False, log=log)
+    return processed, source
 
 
 # ------------------------------------------------------------------------------- in memory
@@ -99,6 +172,7 @@ def process_adata(
 ) -> Processed:
     """Validate, canonicalise condition names, normalise, compute DE genes (or reuse those in
     adata.uns with skip_calc_de): the in-memory path, scanpy's reference arithmetic."""
+    started = time.perf_counter()
     condition_key = detect_condition_key(adata.obs.columns, opts.condition_key)
     if opts.condition_key is None:
         others = [c for c in CONDITION_KEY_CANDIDATES if c in adata.obs and c != condition_key]
@@ -145,7 +219,7 @@ def process_adata(
     )
     return index_adata(
         dataset_name, processed, vocab, vocab.report, condition_key, spelling,
-        norm.target_sum, norm.library_size, labels,
+        norm.target_sum, norm.library_size, labels, started,
     )  # fmt: skip
 
 
@@ -208,6 +282,7 @@ def index_adata(
     target_sum: float | None,
     library_size: np.ndarray | None,
     labels: tuple[str, np.ndarray] | None,
+    started: float | None = None,
 ) -> Processed:
     """The tables over a processed AnnData (obs['condition'], var['gene_name'], DE in uns)."""
     gene_names = pd.Index(adata.var["gene_name"].astype(str).values)
@@ -233,6 +308,7 @@ def index_adata(
         normalize_target_sum=target_sum,
         library_size=library_size,
         context_labels=labels,
+        started=time.perf_counter() if started is None else started,
     )
 
 
@@ -246,13 +322,13 @@ def process_file(
     subset: dict | None,
     pool_contexts: bool | None,
     store_dir: str | Path | None,
-    data_dir: Path,
     chunk_cells: int,
     log: Log,
 ) -> Processed:
     """Process an .h5ad out of core into the shared store (or reuse it), then serve from it:
     the file is opened in anndata's backed mode, X stays on disk (gears.data.outofcore)."""
     check_normalize(opts.normalize)
+    started = time.perf_counter()
     backed = read_h5ad(path, backed="r")  # obs and var only; X stays on disk
     try:
         chosen = detect_condition_key(backed.obs.columns, opts.condition_key)
@@ -269,7 +345,7 @@ def process_file(
                 condition_key=chosen, control_names=opts.control_names,
                 normalize=opts.normalize, pool_contexts=pool_contexts, log=log,
             )  # fmt: skip
-        root = store_root(store_dir, data_dir, dataset_name)
+        root = store_root(store_dir, sources.data_dir, dataset_name)
         opened = _open_or_build(
             dataset_name, path, backed, root, opts, subset, sources, chunk_cells, log
         )
@@ -278,7 +354,8 @@ def process_file(
         spelling = condition_spelling(raw, canon)
     finally:
         backed.file.close()
-    return index_store(dataset_name, opened, sources, chosen, spelling, opts.context_key, log)
+    processed = index_store(dataset_name, opened, sources, chosen, spelling, opts.context_key, log)
+    return replace(processed, started=started)
 
 
 def _open_or_build(dataset_name, path, backed, root, opts, subset, sources, chunk_cells, log):
