@@ -92,10 +92,6 @@ class Processed:
     cond_means: np.ndarray | None = None  # [conditions, genes], memory-mapped from a store
     started: float = field(default_factory=time.perf_counter)  # when processing began
 
-    @property
-    def ctrl_rows(self) -> np.ndarray:
-        return np.flatnonzero(self.cell_condition == self.conditions.index(CTRL))
-
 
 @dataclass(frozen=True)
 class StoreSettings:
@@ -193,7 +189,7 @@ def process_adata(
     # Perturbation genes are checked against GO before the (slower) DE step.
     vocab = resolve_vocabulary(sorted(set(conditions)), set(names), sources, control_like, log)
     keep = _drop_conditions(conditions, vocab.report, log)
-    X, obs = _float32(adata.X), obs
+    X = _float32(adata.X)
     if not keep.all():
         X, obs = X[keep], obs.iloc[keep]
     labels = None if cell_context is None else (opts.context_key, cell_context[keep])
