@@ -168,9 +168,10 @@ class PertData:
         default here) pools them and says so (set_context_key may follow).
         """
         self.gene2go_path = self.gene2go_user
+        sources, settings = self._sources(), self._store_settings()
         if data_name == "synthetic":
             processed, self.synthetic, self.gene2go_path = load_synthetic(
-                dict(synthetic_params or {}), context_key, self._sources(), self._log
+                dict(synthetic_params or {}), context_key, sources, self._log
             )
         else:
             opts = ReadOptions(
@@ -180,8 +181,8 @@ class PertData:
                 data_name,
                 data_path,
                 opts,
-                self._sources(),
-                self._store_settings(),
+                sources,
+                settings,
                 subset=subset,
                 pool_contexts=pool_contexts,
                 log=self._log,
