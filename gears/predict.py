@@ -1012,7 +1012,7 @@ def real_cells_for_scoring(
     labels re-spelled as the prediction's, genes in the model's order, raw counts normalised as
     in training, both restricted to the perturbations they share (plus control)."""
     from gears.data.conditions import canonicalize_conditions, detect_condition_key
-    from gears.data.pertdata import gene_names_of
+    from gears.data.validate import gene_names_of
 
     path = Path(path)
     if not path.is_file():

@@ -156,3 +156,44 @@ def is_double(condition: str) -> bool:
 def genes_of(conditions: Iterable[str]) -> list[str]:
     """Sorted unique genes perturbed by any of `conditions`."""
     return sorted({g for c in conditions for g in condition_genes(c)})
+
+
+def label_conditions(
+    values: Sequence[str] | pd.Series,
+    gene_names: Iterable[str],
+    sep: str = "+",
+    control_names: Iterable[str] = (),
+) -> tuple[np.ndarray, set[str]]:
+    """Each cell's label -> its canonical condition [cells], and the measured genes spelled
+    like a control (control_like_genes), whose labels were read as those genes."""
+    gene_names = list(gene_names)
+    gene_spellings = control_like_genes(gene_names, control_names)
+    refuse_joined_gene_names(values, gene_names, sep)
+    return canonicalize_conditions(values, sep, control_names, gene_spellings), gene_spellings
+
+
+def control_like_cells(gene_spellings: set[str], conditions) -> dict[str, int]:
+    """Per gene spelled like a control, the cells whose condition perturbs it."""
+    found = {}
+    if gene_spellings:
+        counts = pd.Series(np.asarray(conditions, dtype=object)).value_counts()
+        for gene in sorted(gene_spellings):
+            n = int(sum(k for c, k in counts.items() if gene in condition_genes(str(c))))
+            if n:
+                found[gene] = n
+    return found
+
+
+def condition_spelling(raw: pd.Series, conditions: np.ndarray) -> dict[str, str]:
+    """Per canonical condition, the first label spelled for it as written (less surrounding
+    blanks): predictions are written with the input's own spelling."""
+    return raw.groupby(conditions, sort=False).first().to_dict()
+
+
+def control_like_note(control_like: dict[str, int]) -> str:
+    """The line that says labels spelled like a control were read as a measured gene."""
+    return (
+        f"labels spelled like a control but naming a measured gene were read as "
+        f"perturbations of that gene (cells: {control_like}); if they are control "
+        "cells, add that exact spelling to data.control_names"
+    )

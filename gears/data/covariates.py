@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
+import scipy.sparse as sp
 
 from gears.errors import GearsInputError
 
@@ -69,3 +70,26 @@ def cell_codes(pert_data, categories: dict[str, list[str]]) -> dict[str, np.ndar
         name: encode(obs_values(pert_data.adata.obs, covariate_column(name, key)), cats, name)
         for name, cats in categories.items()
     }
+
+
+def context_ctrl_means(
+    X, cell_context: np.ndarray, ctrl_rows: np.ndarray, contexts: list[str], context_key: str
+) -> np.ndarray:
+    """Each context's control mean [contexts, genes] float64 from X [cells, genes] (dense or
+    CSR) and each cell's context code; a context without control cells is an error (its cells
+    are paired with its own controls)."""
+    ctrl_context = cell_context[ctrl_rows]
+    without = [c for i, c in enumerate(contexts) if not (ctrl_context == i).any()]
+    if without:
+        raise GearsInputError(
+            f"data.context_key={context_key!r}: context(s) {without} have no control cells; "
+            "each context's cells are paired with its own controls: drop those contexts "
+            "(data.subset) or choose another column"
+        )
+    indicator = sp.csr_matrix(
+        (np.ones(len(ctrl_context)), (ctrl_context, ctrl_rows)),
+        shape=(len(contexts), X.shape[0]),
+    )
+    sums = indicator @ X
+    sums = sums.toarray() if sp.issparse(sums) else np.asarray(sums)
+    return sums / np.bincount(ctrl_context)[:, None]

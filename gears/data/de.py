@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import warnings
+from typing import NamedTuple
 
 import anndata as ad
 import numpy as np
 import pandas as pd
 import scipy.sparse as sp
 
-from gears.data.conditions import CTRL
+from gears.data.conditions import CTRL, canonicalize_conditions, control_like_genes
+from gears.data.validate import gene_names_of
+from gears.errors import GearsInputError
 
 # Keys written into `adata.uns` (GEARS's names; keyed by canonical condition, not `condition_name`).
 RANK_KEY = "rank_genes_groups_cov_all"  # condition -> all gene ids (var_names), most DE first
@@ -18,6 +21,8 @@ TOP_NON_ZERO_KEY = "top_non_zero_de_20"  # condition -> 20 gene ids, DE-ranked, 
 NON_DROPOUT_KEY = "non_dropout_gene_idx"  # condition -> int gene indices (non-zero or zero in ctrl)
 NON_ZERO_KEY = "non_zeros_gene_idx"  # condition -> int gene indices with non-zero mean
 DE_KEYS = (RANK_KEY, TOP_NON_DROPOUT_KEY, TOP_NON_ZERO_KEY, NON_DROPOUT_KEY, NON_ZERO_KEY)
+N_DE = 20  # GEARS's "top-20 DE genes"
+N_DE_RANKED = 200  # longest DE list the metrics use (top-200 variants)
 
 
 def condition_means(X, codes: np.ndarray, n_groups: int) -> np.ndarray:
@@ -214,3 +219,56 @@ def de_from_stats(
     if n_ranked is not None:
         tables[RANK_KEY] = {c: v[:n_ranked] for c, v in tables[RANK_KEY].items()}
     return tables
+
+
+def translate_de_keys(uns: dict, adata: ad.AnnData, condition_key: str) -> dict:
+    """DE results shipped in a file's `.uns`, keyed by condition. GEARS's own files key them by
+    `condition_name` and list var_names (Ensembl ids): re-key them and map the ids to symbols."""
+    if "condition_name" in adata.obs:
+        canon = canonicalize_conditions(
+            adata.obs[condition_key].values, genes=control_like_genes(gene_names_of(adata))
+        )
+        name_to_cond = dict(zip(adata.obs["condition_name"].astype(str), canon))
+    else:
+        name_to_cond = {}
+    id_to_symbol = pd.Series(gene_names_of(adata), index=adata.var_names.astype(str))
+    out = {}
+    for key in DE_KEYS:
+        out[key] = {}
+        for k, v in uns[key].items():
+            v = np.asarray(v)
+            if v.dtype.kind in "OUS":
+                v = id_to_symbol.reindex(v.astype(str)).fillna("").values.astype(str)
+            out[key][name_to_cond.get(k, k)] = v
+    return out
+
+
+class DEIndex(NamedTuple):
+    """DE results as index tables over gene_names; -1 pads."""
+
+    ranked: np.ndarray  # [C, min(200, G)] int64 DE-ranked genes
+    non_dropout: np.ndarray  # [C, 20] int64 top non-dropout DE genes
+    non_zero_mask: np.ndarray  # [C, G] bool loss mask (ctrl keeps every gene, as GEARS's loss)
+
+
+def de_index(de: dict, conditions: list[str], gene_names: pd.Index) -> DEIndex:
+    """DE dicts (DE_KEYS layout, keyed by condition) -> index tables."""
+    C, G = len(conditions), len(gene_names)
+    ranked = np.full((C, min(N_DE_RANKED, G)), -1, dtype=np.int64)
+    non_dropout = np.full((C, N_DE), -1, dtype=np.int64)
+    non_zero_mask = np.ones((C, G), dtype=bool)
+    for c, name in enumerate(conditions):
+        if name == CTRL:
+            continue
+        if name not in de[RANK_KEY]:
+            raise GearsInputError(
+                f"processed file lacks DE genes for condition {name!r}; "
+                "re-run new_data_process without skip_calc_de"
+            )
+        idx = gene_names.get_indexer(np.asarray(de[RANK_KEY][name]).astype(str))
+        ranked[c, : min(len(idx), ranked.shape[1])] = idx[: ranked.shape[1]]
+        nd = gene_names.get_indexer(np.asarray(de[TOP_NON_DROPOUT_KEY][name]).astype(str))[:N_DE]
+        non_dropout[c, : len(nd)] = nd
+        non_zero_mask[c] = False
+        non_zero_mask[c, np.asarray(de[NON_ZERO_KEY][name], dtype=np.int64)] = True
+    return DEIndex(ranked, non_dropout, non_zero_mask)

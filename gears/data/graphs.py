@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import hashlib
 import io
 import pickle
 import re
@@ -15,6 +16,7 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
+from gears.data.store import load_graph, save_graph
 from gears.errors import GearsInputError
 
 GO_FORMATS = (
@@ -465,3 +467,29 @@ def coexpression_graph(
         cols.append(c)
         vals.append(weights[r, c])
     return _graph(genes, rows, cols, vals)
+
+
+def stored_graph(store_path: Path, key: tuple, gene_names: list[str], build) -> GeneGraph:
+    """A graph cached in a store's folder under a digest of `key` (its last item an array: the
+    rows it was built from): rank 0 builds it with `build()`, the other ranks read it."""
+    digest = hashlib.sha256(repr(key[:-1]).encode() + np.asarray(key[-1]).tobytes())
+    name = f"graph_{key[0]}_{digest.hexdigest()[:16]}"
+    cached = load_graph(store_path, name)
+    if cached is not None:
+        return GeneGraph(
+            gene_names, _torch_from(cached["edge_index"]), _torch_from(cached["edge_weight"])
+        )
+    graph = build()
+    try:
+        save_graph(
+            store_path,
+            name,
+            {"edge_index": graph.edge_index.numpy(), "edge_weight": graph.edge_weight.numpy()},
+        )
+    except OSError:
+        pass  # a read-only store only costs recomputation
+    return graph
+
+
+def _torch_from(array: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(array))

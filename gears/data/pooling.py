@@ -22,6 +22,12 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from gears.data.conditions import (
+    CTRL,
+    canonicalize_conditions,
+    control_like_genes,
+    detect_condition_key,
+)
 from gears.errors import GearsInputError
 
 # Column names that say "context" whatever the data: a second value is enough.
@@ -114,13 +120,6 @@ def check_contexts(
     that follows, which names them."""
     if pool_contexts is True:
         return
-    from gears.data.conditions import (
-        CTRL,
-        canonicalize_conditions,
-        control_like_genes,
-        detect_condition_key,
-    )
-
     obs = adata.obs if keep is None else adata.obs[keep]
     rows_of = np.arange(adata.n_obs) if keep is None else np.flatnonzero(keep)
     try:

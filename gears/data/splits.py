@@ -39,6 +39,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from gears.checkpoint import atomic_write
 from gears.choices import SPLIT_TYPES
 from gears.errors import GearsInputError
 
@@ -300,6 +301,27 @@ def split_key(conditions: Sequence[str], **params: Any) -> str:
     }
     text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
     return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+def cached_split(conditions: Sequence[str], folder: Path, **params: Any) -> Split:
+    """``make_split`` cached as JSON in ``folder`` (``<split_type>_<split_key>.json``): a damaged
+    cache file is made again and rewritten, a read-only folder only costs recomputation."""
+    key = split_key(conditions, **params)
+    cache = folder / f"{params['split_type']}_{key}.json"
+    if cache.exists():
+        try:
+            return Split.from_dict(json.loads(cache.read_text()))
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # a damaged cache file: make the split again and rewrite it
+    params = dict(params)
+    split = params.pop("split_type")
+    result = make_split(conditions, split, **params)
+    try:
+        text = json.dumps(result.to_dict())
+        atomic_write(cache, lambda tmp: tmp.write_text(text))
+    except (OSError, GearsInputError):
+        pass
+    return result
 
 
 # --- the two carving procedures --------------------------------------------------------------

@@ -180,7 +180,7 @@ def _rows(block, mask: np.ndarray):
 
 @dataclass
 class CountsProbe:
-    """What the in-memory raw-counts check reads (gears.data.pertdata.check_not_raw_counts):
+    """What the in-memory raw-counts check reads (gears.data.validate.check_not_raw_counts):
     the first `sample` stored values in row order, here gathered chunk by chunk."""
 
     sample: int = 10_000_000
