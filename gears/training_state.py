@@ -1,7 +1,8 @@
-"""A Trainer's state as a checkpoint and back: what a checkpoint holds, what a resuming run
-must share with it (`checkpoint_meta`, and the run's `fingerprint`), rank 0's write, and the
-read that every rank resumes from (rank 0 reads, then broadcasts); and a stop on SIGTERM or
-SIGINT, which ends in a checkpoint. Files are written by gears/checkpoint.py."""
+"""Where training stands (TrainState, one per Trainer: Trainer.state) and a Trainer as a
+checkpoint and back: what a checkpoint holds, what a resuming run must share with it
+(`checkpoint_meta`, and the run's `fingerprint`), rank 0's write, and the read that every rank
+resumes from (rank 0 reads, then broadcasts); and a stop on SIGTERM or SIGINT, which ends in a
+checkpoint. Files are written by gears/checkpoint.py."""
 
 from __future__ import annotations
 
