@@ -44,6 +44,7 @@ from gears.model.rows import (  # noqa: F401 (CELL_ROWS, RepeatRows: the layouts
 from gears.torch_compat import compiled_backward_config, ddp_ignore, is_batch_norm
 from gears.training_state import (  # noqa: F401 (rng_state, set_rng_state: re-exported)
     History,
+    TrainState,
     epoch_position,
     resume,
     rng_state,
@@ -469,20 +470,14 @@ class Trainer:
             torch.as_tensor(pert_data.ctrl_mean, dtype=torch.float32), self.device
         )
         self.evaluator = evaluator or Evaluator(pert_data, env, self.net, control_mean)
-        self.history = History()
-        self.epoch = 0  # epochs completed
-        self.step = 0  # optimizer steps taken
-        self.best_metric = float("inf")
-        self.best_epoch = -1
-        self.best_state = None
-        self.stale_epochs = 0
-        self.skipped_steps = 0  # optimizer steps GradScaler skipped (fp16 overflow), all epochs
+        # Epoch, step, best model, early-stopping count, mid-epoch position, history, skipped
+        # steps: what a checkpoint saves and a resume restores (gears.training_state).
+        self.state = TrainState()
         self.vocab_hash = ckpt.vocab_hash(pert_data.gene_names, pert_data.pert_names)
         # The signal (SIGTERM or SIGINT) that asked to stop, 0 for none; acted on at the next
         # step boundary, where the ranks agree on the largest (all-reduced).
         self.stop_requested = 0
         self.stop_agreed = 0
-        self.partial = None  # position within an epoch stopped by SIGTERM (resume continues)
         self.resumed = False  # training continues from a checkpoint
         # The stop / non-finite flags are read on the host every `check_every` optimizer steps:
         # every step on CPU (free), at the logging interval on GPU (a host sync each time).
@@ -550,7 +545,7 @@ class Trainer:
                 torch.nn.utils.clip_grad_value_(self.params, self.cfg.grad_clip, foreach=True)
             self.scaler_step()
             self.opt.zero_grad(set_to_none=True)
-            self.step += 1
+            self.state.step += 1
         return loss.detach()
 
     def train_epoch(self, loader, epoch: int, progress: bool = True) -> tuple[float, int]:
@@ -564,7 +559,7 @@ class Trainer:
         accum = self.cfg.grad_accum_steps
         n_batches = min(len(loader), self.cfg.limit_batches or len(loader))
         totals = epoch_position(self, epoch)  # loss sum and cells so far; batches to skip
-        skipped_before = self.skipped_steps
+        skipped_before = self.state.fold_skips()
         watch = NonFiniteWatch(self.device, enabled=not self.scaler.is_enabled())
         log = TrainProgress(self, epoch, n_batches, totals.start, progress)
         for i, batch in enumerate(loader):
@@ -590,7 +585,7 @@ class Trainer:
             log.batch_done(i, loss)
         log.close()
         mean_loss = to_host(all_reduce_mean(self.env, totals.loss_sum / max(n_batches, 1))).item()
-        self.history.skipped_steps.append(self.skipped_steps - skipped_before)
+        self.state.history.skipped_steps.append(self.state.fold_skips() - skipped_before)
         return mean_loss, totals.cells * self.env.world_size
 
     # ------------------------------------------------------------------- the planned step
@@ -636,13 +631,13 @@ class Trainer:
         runner.plan.set_epoch(epoch)
         n_batches = min(len(runner.plan), self.cfg.limit_batches or len(runner.plan))
         totals = epoch_position(self, epoch)
-        skipped_before = self.skipped_steps
+        skipped_before = self.state.fold_skips()
         runner.begin_epoch(totals.start)
         watch = PlannedWatch(self, runner)
         log = TrainProgress(self, epoch, n_batches, totals.start, progress)
         for i in range(totals.start, n_batches):
             runner.run(i)
-            self.step += 1
+            self.state.step += 1
             watch.steps[i] = self.step
             totals.cells += runner.plan.batch_size
             self.faults.after_step(epoch, self.step)
@@ -656,7 +651,7 @@ class Trainer:
         log.close()
         totals.loss_sum += runner.loss_sum
         mean_loss = to_host(all_reduce_mean(self.env, totals.loss_sum / max(n_batches, 1))).item()
-        self.history.skipped_steps.append(self.skipped_steps - skipped_before)
+        self.state.history.skipped_steps.append(self.state.fold_skips() - skipped_before)
         return mean_loss, totals.cells * self.env.world_size
 
     def scaler_step(self) -> None:
@@ -672,21 +667,34 @@ class Trainer:
         before = self.scaler._get_scale_async().clone()
         self.scaler.step(self.opt)
         self.scaler.update()
-        if self._skips is None:
-            self._skips = torch.zeros((), dtype=torch.long, device=before.device)
-        self._skips.add_(self.scaler._get_scale_async() < before)
+        self.state.count_skip(self.scaler._get_scale_async() < before)
+
+    # The training state's numbers under the names callers read (written in self.state).
+    @property
+    def epoch(self) -> int:
+        """Epochs completed."""
+        return self.state.epoch
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken, all epochs."""
+        return self.state.step
+
+    @property
+    def best_epoch(self) -> int:
+        """The epoch whose weights fit keeps (0-based; -1 before the first)."""
+        return self.state.best_epoch
+
+    @property
+    def history(self) -> History:
+        """Per-epoch records (what fit returns)."""
+        return self.state.history
 
     @property
     def skipped_steps(self) -> int:
-        """Optimizer steps the GradScaler skipped (fp16 overflow), all epochs. Counted on the
-        device by scaler_step; reading this is a host sync (at epoch ends and checkpoints)."""
-        if self._skips is None:
-            return self._skips_host
-        return self._skips_host + int(to_host(self._skips).item())
-
-    @skipped_steps.setter
-    def skipped_steps(self, value: int) -> None:
-        self._skips_host, self._skips = int(value), None
+        """Optimizer steps the GradScaler skipped (fp16 overflow), all epochs: the device count
+        folded in (a host sync; TrainState.fold_skips)."""
+        return self.state.fold_skips()
 
     def check_step(self, epoch: int, watch: NonFiniteWatch) -> bool:
         """At a step boundary, agree over ranks on the stop flag (the signal any rank got) and raise
@@ -716,22 +724,22 @@ class Trainer:
             for epoch in range(self.epoch, self.cfg.epochs):
                 if self.run_epoch(train, epoch, "val_loader" in loaders, progress):
                     break
-            if self.best_state is not None:
-                self.net.load_state_dict(self.best_state)
-            return self.history
+            if self.state.best_state is not None:
+                self.net.load_state_dict(self.state.best_state)
+            return self.state.history
 
     def run_epoch(self, train, epoch: int, has_val: bool, progress: bool) -> bool:
         """One epoch and what follows it; True when training stops early."""
         t0 = time.perf_counter()
         loss, cells = self.train_epoch(train, epoch, progress)
-        if self.partial is not None:  # stopped by SIGTERM within the epoch
+        if self.state.partial is not None:  # stopped by SIGTERM within the epoch
             stop_on_signal(self)
         train_s = time.perf_counter() - t0
         sync_buffers(self.env, self.net)
         self.sched.step()
         val = self.evaluator.quick("val") if has_val else {}
-        self.epoch = epoch + 1
-        self.history.record(loss, val, time.perf_counter() - t0, cells / max(train_s, 1e-9))
+        self.state.epoch = epoch + 1
+        self.state.history.record(loss, val, time.perf_counter() - t0, cells / max(train_s, 1e-9))
         stop = self.select_epoch(epoch, selection_score(self.cfg.select, val, loss, epoch))
         if self.env.is_main:
             log_epoch(self.cfg, self.wandb, self.history, epoch, loss, val, self.step)
@@ -752,16 +760,16 @@ class Trainer:
         """Model selection and early stopping: rank 0 decides (every rank holds the same
         gathered metric) and broadcasts; an improvement keeps this epoch's weights. True when
         train.early_stopping_patience epochs have passed without one."""
-        decision = None
+        decision, state = None, self.state
         if self.env.is_main:
-            improved = metric < self.best_metric
-            self.stale_epochs = 0 if improved else self.stale_epochs + 1
+            improved = metric < state.best_metric
+            state.stale_epochs = 0 if improved else state.stale_epochs + 1
             patience = self.cfg.early_stopping_patience
-            decision = (improved, patience > 0 and self.stale_epochs >= patience)
+            decision = (improved, patience > 0 and state.stale_epochs >= patience)
         improved, stop = broadcast_object(self.env, decision)
         if improved:
-            self.best_metric, self.best_epoch = metric, epoch
-            self.best_state = copy.deepcopy(self.net.state_dict())
+            state.best_metric, state.best_epoch = metric, epoch
+            state.best_state = copy.deepcopy(self.net.state_dict())
         return stop
 
     def checkpoint_due(self, stopping: bool) -> bool:

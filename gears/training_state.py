@@ -1,7 +1,8 @@
-"""A Trainer's state as a checkpoint and back: what a checkpoint holds, what a resuming run
-must share with it (`checkpoint_meta`, and the run's `fingerprint`), rank 0's write, and the
-read that every rank resumes from (rank 0 reads, then broadcasts); and a stop on SIGTERM or
-SIGINT, which ends in a checkpoint. Files are written by gears/checkpoint.py."""
+"""Where training stands (TrainState, one per Trainer: Trainer.state) and a Trainer as a
+checkpoint and back: what a checkpoint holds, what a resuming run must share with it
+(`checkpoint_meta`, and the run's `fingerprint`), rank 0's write, and the read that every rank
+resumes from (rank 0 reads, then broadcasts); and a stop on SIGTERM or SIGINT, which ends in a
+checkpoint. Files are written by gears/checkpoint.py."""
 
 from __future__ import annotations
 
@@ -39,6 +40,118 @@ class History:
         self.cells_per_s.append(cells_per_s)
 
 
+WALL_CLOCK = ("epoch_s", "cells_per_s")  # History's timings: no two runs share them
+
+
+def _same(a, b) -> bool:
+    """Equal bit for bit: tensors by torch.equal (on the host), containers item by item, NaN
+    equal to NaN."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        tensors = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+        return tensors and torch.equal(to_host(a), to_host(b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return bool(a == b) or bool(a != a and b != b)  # (NaN != NaN)
+
+
+@dataclass(eq=False)
+class TrainState:
+    """Where training stands: the Trainer's one record of it (Trainer.state), which a
+    checkpoint saves and a resume restores whole (the network, optimizer, schedule, GradScaler
+    and RNGs hold their own states, saved beside it).
+
+    The fp16 GradScaler's skipped steps are counted on the device (count_skip: no host sync)
+    and folded into the host count `skipped_steps` at epoch ends and checkpoints (fold_skips,
+    a host sync)."""
+
+    epoch: int = 0  # epochs completed
+    step: int = 0  # optimizer steps taken
+    best_metric: float = float("inf")  # the best (lowest) selection score so far
+    best_epoch: int = -1  # the epoch that scored it (0-based; -1: none yet)
+    best_state: dict | None = field(default=None, repr=False)  # its weights (fit ends with them)
+    stale_epochs: int = 0  # epochs since the last improvement (early stopping)
+    # The position within an epoch stopped by SIGTERM or SIGINT, which a resume continues:
+    # {"epoch", "batch" (micro-batches done), "cells", "loss_sum" (each rank's, [world_size])}.
+    partial: dict | None = None
+    history: History = field(default_factory=History)
+    skipped_steps: int = 0  # steps the GradScaler skipped, all epochs, as of the last fold
+    device_skips: torch.Tensor | None = None  # skips since the last fold, on the device
+
+    def count_skip(self, skipped: torch.Tensor) -> None:
+        """Add a step's skip flag (a bool tensor on the device) to the device count."""
+        if self.device_skips is None:
+            self.device_skips = torch.zeros((), dtype=torch.long, device=skipped.device)
+        self.device_skips.add_(skipped)
+
+    def fold_skips(self) -> int:
+        """Fold the device count into skipped_steps (a host sync when there is one).
+        -> skipped_steps, all epochs."""
+        if self.device_skips is not None:
+            self.skipped_steps += int(to_host(self.device_skips).item())
+            self.device_skips = None
+        return self.skipped_steps
+
+    def steps_into_epoch(self, grad_accum_steps: int) -> int:
+        """Optimizer steps taken in the epoch a stop interrupted (0 at an epoch's end)."""
+        return self.partial["batch"] // grad_accum_steps if self.partial else 0
+
+    def to_checkpoint(self) -> dict:
+        """The state as a checkpoint's keys (plain values and tensors: weights_only-loadable);
+        the device count folded in."""
+        history = {
+            k: [_plain(v) for v in vals] for k, vals in dataclasses.asdict(self.history).items()
+        }
+        return {
+            "epoch": self.epoch,
+            "step": self.step,
+            "best_metric": float(self.best_metric),
+            "best_epoch": self.best_epoch,
+            "best_state": self.best_state,
+            "stale_epochs": self.stale_epochs,
+            "partial": self.partial,
+            "history": history,
+            "skipped_steps": self.fold_skips(),
+        }
+
+    @classmethod
+    def from_checkpoint(cls, state: dict) -> TrainState:
+        """to_checkpoint's keys (a checkpoint of format 2, all of whose writers saved them)."""
+        return cls(
+            epoch=state["epoch"],
+            step=state["step"],
+            best_metric=state["best_metric"],
+            best_epoch=state["best_epoch"],
+            best_state=state["best_state"],
+            stale_epochs=state["stale_epochs"],
+            partial=state["partial"],
+            history=History(**state["history"]),
+            skipped_steps=state["skipped_steps"],
+        )
+
+    def __eq__(self, other) -> bool:
+        """The same training state, bit for bit (tensors by torch.equal; skipped steps with the
+        device count, a host sync), except the history's wall-clock records (epoch_s,
+        cells_per_s), which no two runs share: a resumed run equals the uninterrupted one."""
+        if not isinstance(other, TrainState):
+            return NotImplemented
+        return _same(self._compared(), other._compared())
+
+    def _compared(self) -> dict:
+        """What __eq__ compares: every field, with the device count in skipped_steps and the
+        history without its timings."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        history = dataclasses.asdict(self.history)
+        on_device = 0 if self.device_skips is None else int(to_host(self.device_skips).item())
+        return {
+            **fields,
+            "history": {k: v for k, v in history.items() if k not in WALL_CLOCK},
+            "skipped_steps": self.skipped_steps + on_device,
+            "device_skips": None,
+        }
+
+
 @dataclass
 class EpochTotals:
     """An epoch's running totals on this rank, and the batch it starts at (0, or where a
@@ -50,23 +163,24 @@ class EpochTotals:
 
 
 def epoch_position(trainer, epoch: int) -> EpochTotals:
-    """Where this epoch starts: at batch 0, or where a SIGTERM stopped it (trainer.partial, with
+    """Where this epoch starts: at batch 0, or where a SIGTERM stopped it (state.partial, with
     this rank's loss sum and the cells seen so far)."""
-    totals = EpochTotals(torch.zeros((), device=trainer.device))
-    partial = trainer.partial
+    state, device = trainer.state, trainer.device
+    totals = EpochTotals(torch.zeros((), device=device))
+    partial = state.partial
     if partial is not None and partial["epoch"] == epoch:
         totals.start, totals.cells = partial["batch"], partial["cells"]
-        totals.loss_sum += to_device(partial["loss_sum"][trainer.env.rank], trainer.device)
-    trainer.partial = None
+        totals.loss_sum += to_device(partial["loss_sum"][trainer.env.rank], device)
+    state.partial = None
     return totals
 
 
 def stop_mid_epoch(trainer, epoch: int, batches_done: int, totals: EpochTotals):
-    """A stop agreed within the epoch: record the position in trainer.partial (each rank's
+    """A stop agreed within the epoch: record the position in state.partial (each rank's
     running loss over its shard, so each resumes its own sum) for the checkpoint; fit() then
     stops. -> train_epoch's (NaN loss, cells seen by all ranks)."""
     sums = all_gather_objects(trainer.env, to_host(totals.loss_sum))
-    trainer.partial = {
+    trainer.state.partial = {
         "epoch": epoch,
         "batch": batches_done,
         "cells": totals.cells,
@@ -104,24 +218,24 @@ def stop_on_signal(trainer) -> None:
     included), then all leave through TrainingStopped."""
     signum = signal.SIGINT if trainer.stop_agreed == signal.SIGINT else signal.SIGTERM
     name = signal.Signals(signum).name
-    where = None
+    state, where = trainer.state, None
     if trainer.out_dir is not None:
-        if trainer.partial is not None:
+        if state.partial is not None:
             write_checkpoint(trainer)
         where = ckpt.list_checkpoints(os.path.join(trainer.out_dir, "checkpoints"))[-1:]
     if trainer.env.is_main:
-        into = trainer.partial["batch"] // trainer.cfg.grad_accum_steps if trainer.partial else 0
+        into = state.steps_into_epoch(trainer.cfg.grad_accum_steps)
         saved = (
             f"wrote {where[0]}; run the same command with train.resume=true to continue"
             if where
             else "no out_dir, nothing saved"
         )
         print(
-            f"{name} received: stopped after {ckpt.position(trainer.epoch, into, trainer.step)}; "
+            f"{name} received: stopped after {ckpt.position(state.epoch, into, state.step)}; "
             f"{saved}",
             flush=True,
         )
-    raise TrainingStopped(f"stopped by {name} at step {trainer.step}", signum)
+    raise TrainingStopped(f"stopped by {name} at step {state.step}", signum)
 
 
 def rng_state(device: torch.device | None = None) -> dict:
@@ -205,10 +319,9 @@ def fingerprint(trainer) -> dict:
 
 
 def training_state(trainer) -> dict:
-    """The whole training state as tensors and plain values (weights_only-loadable)."""
-    history = {
-        k: [_plain(v) for v in vals] for k, vals in dataclasses.asdict(trainer.history).items()
-    }
+    """The whole training state as tensors and plain values (weights_only-loadable): the run's
+    identity, its TrainState, and the states of the network, optimizer, schedule, GradScaler
+    and RNGs."""
     return {
         "format": ckpt.FORMAT_VERSION,
         "meta": checkpoint_meta(trainer),
@@ -217,20 +330,12 @@ def training_state(trainer) -> dict:
             "train": dataclasses.asdict(trainer.cfg),
             "model": dataclasses.asdict(trainer.model_cfg),
         },
-        "partial": trainer.partial,
-        "skipped_steps": trainer.skipped_steps,
+        **trainer.state.to_checkpoint(),
         "model": trainer.net.state_dict(),
         "optimizer": trainer.opt.state_dict(),
         "scheduler": trainer.sched.state_dict(),
         "scaler": trainer.scaler.state_dict(),
         "rng": rng_state(trainer.device),
-        "epoch": trainer.epoch,
-        "step": trainer.step,
-        "best_metric": float(trainer.best_metric),
-        "best_epoch": trainer.best_epoch,
-        "best_state": trainer.best_state,
-        "stale_epochs": trainer.stale_epochs,
-        "history": history,
         "world_size": trainer.env.world_size,
         "cpu_threads": torch.get_num_threads(),
     }
@@ -244,9 +349,8 @@ def write_checkpoint(trainer) -> None:
     barrier(trainer.env)
     failed = None
     if trainer.env.is_main:
-        partial = trainer.partial
-        done = partial["batch"] // trainer.cfg.grad_accum_steps if partial else 0
-        path = ckpt.checkpoint_path(folder, trainer.epoch, done)
+        done = trainer.state.steps_into_epoch(trainer.cfg.grad_accum_steps)
+        path = ckpt.checkpoint_path(folder, trainer.state.epoch, done)
         try:
             ckpt.atomic_save(training_state(trainer), path)
             ckpt.prune(folder, keep=2)
@@ -291,11 +395,12 @@ def read_checkpoint(trainer, log) -> dict | None:
 
 
 def restore(trainer, state: dict, optimizer_kernel: dict) -> None:
-    """Load a checkpoint's state into the trainer. optimizer_kernel: this device's update
-    kernel, named in the optimizer state before loading it (a loaded state carries the writer's
-    choice, fused or foreach; naming this one lets load_state_dict place Adam's step counters
-    where it wants them: fused, float32 on the parameters' device; foreach, as loaded, on the
-    host, since checkpoints load to CPU)."""
+    """Load a checkpoint's state into the trainer: its TrainState whole, and the network's,
+    optimizer's, schedule's, GradScaler's and RNGs' states. optimizer_kernel: this device's
+    update kernel, named in the optimizer state before loading it (a loaded state carries the
+    writer's choice, fused or foreach; naming this one lets load_state_dict place Adam's step
+    counters where it wants them: fused, float32 on the parameters' device; foreach, as loaded,
+    on the host, since checkpoints load to CPU)."""
     trainer.net.load_state_dict(state["model"])
     for group in state["optimizer"]["param_groups"]:
         group.update(optimizer_kernel)
@@ -305,11 +410,7 @@ def restore(trainer, state: dict, optimizer_kernel: dict) -> None:
     if state["scaler"]:
         trainer.scaler.load_state_dict(state["scaler"])
     set_rng_state(state["rng"], trainer.device)
-    trainer.epoch, trainer.step = state["epoch"], state["step"]
-    trainer.best_metric, trainer.best_epoch = state["best_metric"], state["best_epoch"]
-    trainer.best_state, trainer.stale_epochs = state["best_state"], state["stale_epochs"]
-    trainer.history = History(**state["history"])
-    trainer.partial, trainer.skipped_steps = state["partial"], state["skipped_steps"]
+    trainer.state = TrainState.from_checkpoint(state)
 
 
 def resume(trainer, asked: bool, optimizer_kernel: dict) -> bool:
@@ -330,8 +431,9 @@ def resume(trainer, asked: bool, optimizer_kernel: dict) -> bool:
         log(f"train.resume: no checkpoint in {folder}; starting from scratch")
         return False
     restore(trainer, state, optimizer_kernel)
-    into = trainer.partial["batch"] // trainer.cfg.grad_accum_steps if trainer.partial else 0
-    log(f"resumed from {state['path']}: after {ckpt.position(trainer.epoch, into, trainer.step)}")
+    at = trainer.state
+    into = at.steps_into_epoch(trainer.cfg.grad_accum_steps)
+    log(f"resumed from {state['path']}: after {ckpt.position(at.epoch, into, at.step)}")
     threads, now = state.get("cpu_threads"), torch.get_num_threads()
     if trainer.device.type == "cpu" and threads is not None and threads != now:
         log(

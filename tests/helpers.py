@@ -206,3 +206,12 @@ def metrics_without_timing(run_dir: Path) -> dict:
     metrics = json.loads((Path(run_dir) / "metrics.json").read_text())
     metrics.pop("timing")
     return metrics
+
+
+def final_train_state(run_dir: Path):
+    """The TrainState of a run's newest checkpoint (after its last epoch, for a finished run)."""
+    from gears import checkpoint as ckpt
+    from gears.training_state import TrainState
+
+    newest = ckpt.list_checkpoints(Path(run_dir) / "checkpoints")[-1]
+    return TrainState.from_checkpoint(ckpt.load(newest))

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY, TINY_CLI
+from helpers import TINY, TINY_CLI, final_train_state
 
 from gears import checkpoint as ckpt
 from gears.distributed import find_free_port, first_slurm_host, init_distributed, slurm_to_env
@@ -553,6 +553,7 @@ def test_sigterm_on_one_rank_then_resume_equals_uninterrupted(tmp_path, spawn_ru
     assert resumed.ok(), resumed.why()
     want = _metrics_without_timing(_run_dir(spawn_run))
     assert _metrics_without_timing(work / "run") == want
+    assert final_train_state(work / "run") == final_train_state(_run_dir(spawn_run))
     writes = audited_writes(tmp_path / "audit")
     assert any(rank == "0" and "run/.metrics.json.tmp" in path for rank, _, path in writes)
     assert [w for w in writes if w[0] != "0"] == []
@@ -594,6 +595,7 @@ def test_sigterm_on_both_ranks_at_once_writes_one_checkpoint_then_resumes(tmp_pa
     )
     want = _metrics_without_timing(_run_dir(spawn_run))
     assert _metrics_without_timing(work / "run") == want
+    assert final_train_state(work / "run") == final_train_state(_run_dir(spawn_run))
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import metrics_without_timing, run_train_cli, tiny_split
+from helpers import final_train_state, metrics_without_timing, run_train_cli, tiny_split
 
 from gears import checkpoint as ckpt
 from gears.api import GEARS
@@ -510,6 +510,7 @@ def test_kill_and_resume_matches_uninterrupted_run(tmp_path, whole_run):
     mb = json.loads((tmp_path / "resumed" / "metrics.json").read_text())
     assert ma["test"]["mse_de"] == pytest.approx(mb["test"]["mse_de"], rel=1e-6)
     assert ma["history"]["train_loss"] == pytest.approx(mb["history"]["train_loss"], rel=1e-6)
+    assert final_train_state(tmp_path / "resumed") == final_train_state(whole_run)
 
 
 @pytest.mark.slow
@@ -546,6 +547,7 @@ def test_sigterm_mid_epoch_then_resume_equals_uninterrupted(tmp_path, whole_run)
         resumed.stdout
     )
     assert metrics_without_timing(run_dir) == metrics_without_timing(whole_run)
+    assert final_train_state(run_dir) == final_train_state(whole_run)
 
 
 def test_bad_config_key_is_one_clear_line(tmp_path):

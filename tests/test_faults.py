@@ -19,6 +19,7 @@ import pytest
 import torch
 from helpers import (
     TINY_CLI,
+    final_train_state,
     metrics_without_timing,
     run_train_cli,
     tiny_gene2go,
@@ -163,6 +164,7 @@ def test_sigint_mid_epoch_writes_a_checkpoint_exits_130_and_resumes_exactly(tmp_
     resumed = run_train_cli(run, data, "train.resume=true")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert metrics_without_timing(run) == metrics_without_timing(tmp_path / "whole")
+    assert final_train_state(run) == final_train_state(tmp_path / "whole")
 
 
 @pytest.mark.slow
@@ -277,6 +279,8 @@ def test_gradscaler_skipped_steps_are_counted_not_fatal(tiny):
     trainer = _poisoned_trainer(tiny, bad_call=2)
     trainer.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     history = trainer.fit(loaders, progress=False)
+    assert trainer.state.device_skips is None  # folded into the host count at the epoch's end
+    assert trainer.state.skipped_steps == 1
     assert trainer.skipped_steps == 1
     assert history.skipped_steps == [1, 0]
     assert trainer.step == 2 * len(loaders["train_loader"])

@@ -42,6 +42,7 @@ from gears.errors import GearsInputError
 from gears.evaluate import predict_deltas
 from gears.run import load_pert_data
 from gears.train_distributed import batch_script_note, launched_externally
+from gears.training_state import TrainState
 
 ROOT = Path(__file__).resolve().parents[1]
 GRAPHS = {"go_edge_index", "go_edge_weight", "co_edge_index", "co_edge_weight"}
@@ -199,6 +200,7 @@ def test_checkpoint_written_on_cuda_resumes_on_cpu(tiny_run, tmp_path, fused):
     assert trainer.resume()
     want = ckpt.load(src)
     assert (trainer.epoch, trainer.step) == (want["epoch"], want["step"])
+    assert trainer.state == TrainState.from_checkpoint(want)
     for k, v in want["model"].items():
         assert torch.equal(trainer.net.state_dict()[k], v), k
     assert torch.equal(torch.get_rng_state(), want["rng"]["torch"])

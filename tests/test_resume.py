@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers import TINY_CLI, metrics_without_timing
+from helpers import TINY_CLI, final_train_state, metrics_without_timing
 
 from gears import checkpoint as ckpt
 from gears.run_folder import LOCK_NAME
@@ -135,6 +135,7 @@ def test_one_out_dir_one_run(tmp_path):
     want = ckpt.load(tmp_path / "reference" / "model" / "model.pt")["state_dict"]
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert metrics_without_timing(run) == metrics_without_timing(tmp_path / "reference")
+    assert final_train_state(run) == final_train_state(tmp_path / "reference")
     config = yaml.safe_load((run / "config.yaml").read_text())
     assert (config["seed"], config["train"]["epochs"], config["train"]["log_every"]) == (2, 3, 2)
 

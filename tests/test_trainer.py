@@ -5,6 +5,7 @@ metrics that pick the kept epoch, the per-epoch reshuffle, and every RNG restore
 from __future__ import annotations
 
 import random
+import signal
 
 import numpy as np
 import pytest
@@ -19,7 +20,9 @@ from gears.data.conditions import CTRL
 from gears.data.pertdata import PertData
 from gears.distributed import DistEnv
 from gears.engine import Trainer, seed_everything
+from gears.errors import TrainingStopped
 from gears.model.batch import ModelBatch
+from gears.training_state import TrainState
 
 HIDDEN = 16
 
@@ -160,3 +163,53 @@ def test_resume_restores_every_global_rng(tiny, tmp_path, name):
     seed(999)
     assert resumed.resume()
     assert draw() == expected != scrambled
+
+
+# ------------------------------------------------------------------ the training state on resume
+class StopAt:
+    """A training loader during which a SIGTERM arrives (recorded as the signal handler records
+    it) while `trainer` trains batch `batch` of epoch `epoch`."""
+
+    def __init__(self, loader, trainer: Trainer, epoch: int, batch: int):
+        self.loader, self.trainer, self.at, self.epoch = loader, trainer, (epoch, batch), 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.loader.set_epoch(epoch)
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):
+        for i, batch in enumerate(self.loader):
+            if (self.epoch, i) == self.at:
+                self.trainer.stop_requested = signal.SIGTERM
+            yield batch
+
+
+def test_a_run_stopped_mid_epoch_resumes_into_the_uninterrupted_runs_state(tiny, tmp_path):
+    """A SIGTERM 2 batches into epoch 2 of 3: the mid-epoch checkpoint holds the stopped
+    trainer's TrainState whole (position, best model, early-stopping count, history), and the
+    resumed run ends in the uninterrupted run's state (one equality on TrainState: epoch, step,
+    best epoch, metric and weights, stale epochs, history without its timings, skipped steps)
+    and weights."""
+    kw = {"epochs": 3, "schedule": "step", "select": "val_mse_de", "early_stopping_patience": 9}
+    whole = _trainer(tiny, **kw)
+    whole.fit(_loaders(tiny), progress=False)
+    stopped = _trainer(tiny, tmp_path, **kw)
+    loaders = _loaders(tiny)
+    loaders["train_loader"] = StopAt(loaders["train_loader"], stopped, epoch=1, batch=1)
+    with pytest.raises(TrainingStopped):
+        stopped.fit(loaders, progress=False)
+    newest = ckpt.list_checkpoints(tmp_path / "checkpoints")[-1]
+    assert newest.name == "epoch_0001_step_000002.pt"
+    assert TrainState.from_checkpoint(ckpt.load(newest)) == stopped.state
+    assert stopped.state.partial is not None and stopped.state != whole.state
+    resumed = _trainer(tiny, tmp_path, **kw)
+    assert resumed.resume()
+    assert resumed.state == stopped.state
+    resumed.fit(_loaders(tiny), progress=False)
+    assert resumed.state == whole.state
+    assert whole.state.best_state is not None and whole.state.history.val[2]
+    got, want = resumed.net.state_dict(), whole.net.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
