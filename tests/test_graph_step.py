@@ -576,6 +576,12 @@ def test_planned_run_resumes_its_own_checkpoint(lines, tmp_path):
     assert resumed.resume()
     resumed.fit(loaders, progress=False)
     assert resumed.runner is not None and resumed.step == 6
+    # and where the run that never stopped ends, bit for bit
+    whole, loaders = _trainer(lines, "fast", planned=True, epochs=2, **kw)
+    whole.fit(loaders, progress=False)
+    assert resumed.state == whole.state
+    for key, value in whole.net.state_dict().items():
+        assert torch.equal(resumed.net.state_dict()[key], value), key
 
 
 @pytest.mark.slow
