@@ -167,7 +167,8 @@ def _clean(obj):
 
 
 def run(cfg: Config, env: DistEnv, pert_data=None, later: list | None = None) -> dict | None:
-    """Train on cfg's data, evaluate on test with baselines, write the run directory (rank 0).
+    """Train on cfg's data (gears.build), score the test set beside the baselines
+    (gears.scoring), write the run directory (rank 0).
 
     The run owns out_dir while it lives (gears.run_folder: a lock, and never another run's
     outputs overwritten). pert_data: this rank's data when the launcher prepared it before
