@@ -221,7 +221,8 @@ class GEARS:
         """This model's predictions by gene names (gears.predictor): from prediction_net()."""
         if self.model is None:
             raise GearsInputError("no model: call model_initialize()+train() or load_pretrained()")
-        categories = self.config["covariates"]
+        # A network set by hand (model.model = net) has no config.json record: no covariates.
+        categories = (self.config or {}).get("covariates", {})
         net = self.prediction_net()
         return Predictor(self.pert_data, net, categories, self.evaluator, self.ctrl_expression)
 
