@@ -2,49 +2,43 @@
 
 from __future__ import annotations
 
-import inspect
-import json
-from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from gears import cell_gears
 from gears import checkpoint as ckpt
+from gears.build import (
+    LOADER_KEYS,  # noqa: F401 (re-exported: the loader settings train() compares)
+    BuiltNetwork,
+    build_network,
+    new_network,
+    train_network,
+)
 from gears.config import DataConfig, DistributedConfig, ModelConfig, TrainConfig
-from gears.data.conditions import CTRL, canonical_condition, condition_genes
-from gears.data.covariates import CONTEXT, data_categories, encode
-from gears.device import module_to_device, to_host
-from gears.distributed import DistEnv, choose_device, release
+from gears.distributed import DistEnv, choose_device
 from gears.engine import Trainer
 from gears.errors import GearsInputError
-from gears.evaluate import Evaluator, predict_deltas
-from gears.model import fork_files, network_class, network_options, spec_file
-from gears.model.batch import declared_covariates, predicted_expression, reads_x
+from gears.evaluate import Evaluator
+from gears.metrics import gi_params
 from gears.model_folder import (
     CONFIG_FILE,
     MODEL_FILE,
-    control_sample_rows,
+    checkpoint_meta,
     read_model_json,
-    write_prediction_inputs,
+    write_model_folder,
 )
-
-# A network that reads x predicts a perturbation's mean from this many control cells (a seeded
-# sample), as cell-gears's predict() runs 300.
-PREDICT_CONTROL_CELLS = 300
-# TrainConfig fields that shape the data loaders (PertData.dataloader_settings has them too).
-LOADER_KEYS = (
-    "batch_size",
-    "test_batch_size",
-    "num_workers",
-    "batching",
-    "cells_per_group",
-    "block_size",
+from gears.predictor import (
+    PREDICT_CONTROL_CELLS,  # noqa: F401 (re-exported: the control cells predict() reads)
+    Predictor,
 )
 
 
 class GEARS:
-    """Train and query a GEARS model on a PertData (after `prepare_split`)."""
+    """Train and query a GEARS model on a PertData (after `prepare_split`): cell-gears's API over
+    the pieces the run uses too (gears.build's network and Trainer, gears.predictor's
+    predictions, gears.model_folder's saved folder)."""
 
     def __init__(
         self,
@@ -54,19 +48,16 @@ class GEARS:
         proj_name: str = "GEARS",
         exp_name: str = "GEARS",
         env: DistEnv | None = None,
-        wandb_run=None,
-        out_dir: str | Path | None = None,
         seed: int = 1,
     ):
         self.pert_data = pert_data
         self.env = env or DistEnv(device=choose_device(device))
         self.device = self.env.device
-        self.wandb = wandb_run
-        if weight_bias_track and wandb_run is None:
-            import wandb
+        self.wandb = None
+        if weight_bias_track:
+            import wandb  # here: an optional package, imported when asked for
 
             self.wandb = wandb.init(project=proj_name, name=exp_name)
-        self.out_dir = out_dir
         self.seed = seed
         self.config: dict | None = None  # config.json: model_cfg and the graph settings
         self.model_cfg: ModelConfig | None = None
@@ -77,8 +68,8 @@ class GEARS:
         # equal cell-gears's); None otherwise (gears/cell_gears.py CellGearsPrediction).
         self.cell_gears_net: torch.nn.Module | None = None
         self.trainer: Trainer | None = None
-        # The one Evaluator of this model (validation in training, evaluate, the run's test
-        # scores), built with the network.
+        # The one Evaluator of this model (validation in training, evaluate), built with the
+        # network.
         self.evaluator: Evaluator | None = None
         self.history = None
         self.gene_list = list(pert_data.gene_names)
@@ -92,24 +83,8 @@ class GEARS:
         `data:` section) unless given as graphs = ((go_edge_index, go_weight),
         (coexpress_edge_index, coexpress_weight))."""
         graph_cfg = graph_cfg or DataConfig()
-        if graphs is None:
-            go = self.pert_data.go_graph(graph_cfg.go_top_k, graph_cfg.go_threshold)
-            co = self.pert_data.coexpress_graph(
-                graph_cfg.coexpress_top_k, graph_cfg.coexpress_threshold
-            )
-            graphs = ((go.edge_index, go.edge_weight), (co.edge_index, co.edge_weight))
-        self.model_cfg, self.model_folder, self.trust_code = model_cfg, None, False
-        # config.json: the hyperparameters, and the graph settings under cell-gears's names.
-        self.config = {
-            **asdict(model_cfg),
-            "num_similar_genes_go_graph": graph_cfg.go_top_k,
-            "num_similar_genes_co_express_graph": graph_cfg.coexpress_top_k,
-            "coexpress_threshold": graph_cfg.coexpress_threshold,
-            "go_threshold": graph_cfg.go_threshold,
-            "num_genes": len(self.gene_list),
-            "num_perts": len(self.pert_list),
-        }
-        self._build(*(torch.as_tensor(t) for graph in graphs for t in graph))
+        self.model_folder, self.trust_code = None, False
+        self._use(new_network(self.pert_data, model_cfg, graph_cfg, self.env, graphs))
         return self
 
     def model_initialize(
@@ -166,33 +141,26 @@ class GEARS:
         return self.initialize(model_cfg, graph_cfg, graphs)
 
     def _build(self, go_ei, go_w, co_ei, co_w) -> None:
-        """The network model.impl names, its covariates' categories (config.json's, else this
-        data's), and the model's one Evaluator."""
-        self.cell_gears_net = None
-        network = network_class(self.model_cfg.impl, self.model_folder, self.trust_code)
-        # The fork's own options, defaults filled in: the network and config.json get them all.
-        extra = network_options(network, self.model_cfg.extra, self.model_cfg.impl)
-        self.model_cfg = replace(self.model_cfg, extra=extra)
-        self.config["extra"] = dict(extra)
-        names = declared_covariates(network)
-        categories = self.config.get("covariates") or data_categories(self.pert_data, names)
-        self.config["covariates"] = {n: list(categories[n]) for n in names}
-        kwargs = {"categories": self.config["covariates"]} if names else {}
-        self.model = network(
+        """The network model.impl names (self.model_cfg), its covariates' categories
+        (self.config's, else this data's), and the model's one Evaluator (gears.build)."""
+        built = build_network(
+            self.pert_data,
             self.model_cfg,
-            len(self.gene_list),
-            len(self.pert_list),
+            self.config,
             go_ei,
             go_w,
             co_ei,
             co_w,
-            **kwargs,
+            self.env,
+            self.model_folder,
+            self.trust_code,
         )
-        self.model = module_to_device(self.model, self.device)  # (stand-in: DeviceTensors)
-        self.graphs = {"go": (go_ei, go_w), "coexpress": (co_ei, co_w)}
-        self.evaluator = Evaluator(
-            self.pert_data, self.env, self.model, categories=self.config["covariates"]
-        )
+        self._use(built)
+
+    def _use(self, built: BuiltNetwork) -> None:
+        self.cell_gears_net = None
+        self.model, self.model_cfg, self.config = built.network, built.model_cfg, built.config
+        self.graphs, self.evaluator = built.graphs, built.evaluator
 
     def model_config(self) -> ModelConfig:
         return self.model_cfg
@@ -213,14 +181,12 @@ class GEARS:
         resume: bool = False,
         progress: bool = True,
         control_mean: str = "all",
-        run_config: dict | None = None,
         **train_kwargs,
     ):
-        """Train with the shared engine; keeps the model chosen by train_cfg.select (the final one
-        by default; `val_mse_de` is GEARS's best_model). control_mean: how validation forms
-        predicted means (config.CHOICES['eval.control_mean']). run_config: the whole run
-        configuration as a dict (Config.to_dict()), recorded in checkpoints so that a resume
-        with other settings is refused by name."""
+        """Train with the shared engine (gears.build.train_network); keeps the model chosen by
+        train_cfg.select (the final one by default; `val_mse_de` is GEARS's best_model).
+        control_mean: how validation forms predicted means
+        (config.CHOICES['eval.control_mean'])."""
         if self.model is None:
             raise GearsInputError("call model_initialize() before train()")
         cfg = train_cfg or TrainConfig(
@@ -228,25 +194,20 @@ class GEARS:
         )
         explicit = set(LOADER_KEYS) if train_cfg is not None else set(train_kwargs)
         self.cell_gears_net = None  # trained here, the model is this project's network
-        loaders = self._loaders(cfg, explicit)
-        if "train_loader" not in loaders:
-            raise GearsInputError(f"split {self.pert_data.split.split_type!r} has no training set")
-        self.evaluator.control_mean = control_mean
-        self.trainer = Trainer(
-            self.model,
+        built = BuiltNetwork(self.model, self.model_cfg, self.config, self.graphs, self.evaluator)
+        self.trainer, self.history = train_network(
+            built,
             self.pert_data,
-            cfg,
-            self.model_cfg,
             self.env,
-            out_dir=self.out_dir,
+            cfg,
+            explicit=explicit,
             dist_cfg=dist_cfg,
             wandb_run=self.wandb,
             seed=self.seed,
-            evaluator=self.evaluator,
-            run_config=run_config,
+            control_mean=control_mean,
+            resume=resume,
+            progress=progress,
         )
-        self.trainer.resume(asked=resume or cfg.resume)
-        self.history = self.trainer.fit(loaders, progress=progress)
         self.best_model = self.model
         return self.history
 
@@ -255,75 +216,15 @@ class GEARS:
         """The epoch (0-based) whose weights training kept (train.select), -1 before training."""
         return self.trainer.best_epoch if self.trainer is not None else -1
 
-    def release_process_group(self) -> DistEnv:
-        """After the last collective of a distributed run: drop the DDP wrapper while the
-        process group is alive, leave the group (gears.distributed.release), and go on in this
-        process alone (rank 0 scores and writes; the others are done). -> the new DistEnv."""
-        if self.trainer is not None:
-            self.trainer.unwrap()
-        self.env = release(self.env)
-        if self.evaluator is not None:
-            self.evaluator.env = self.env
-        return self.env
-
-    def _loaders(self, cfg: TrainConfig, explicit: set[str]) -> dict:
-        """The training loaders: pert_data's own (cell-gears style: get_dataloader(...), then
-        train()) when they were built for this process and for every loader setting the caller
-        gave explicitly, their settings then copied into cfg; else new ones built from cfg."""
-        pd_ = self.pert_data
-        built = pd_.dataloader_settings if pd_.dataloader else None
-        reads = declared_covariates(self.model)  # the loaders must carry exactly these
-        if built is not None and tuple(built.get("covariates", ())) != reads:
-            built = None
-        if built is not None and "train_loader" in pd_.dataloader:
-            mine = (built["world_size"], built["rank"]) == (self.env.world_size, self.env.rank)
-            differs = {
-                k: (getattr(cfg, k), built[k])
-                for k in LOADER_KEYS
-                if k in explicit and getattr(cfg, k) != built[k]
-            }
-            if mine and not differs:
-                for k in LOADER_KEYS:
-                    setattr(cfg, k, built[k])
-                return pd_.dataloader
-            if mine and self.env.is_main:
-                asked = ", ".join(
-                    f"{k}={want!r} (loaders: {have!r})" for k, (want, have) in differs.items()
-                )
-                print(f"train(): rebuilding the data loaders for {asked}")
-        return pd_.get_dataloader_distributed(
-            cfg.batch_size,
-            cfg.test_batch_size,
-            self.env.world_size,
-            self.env.rank,
-            num_workers=cfg.num_workers,
-            batching=cfg.batching,
-            cells_per_group=cfg.cells_per_group,
-            pin_memory=self.device.type == "cuda",
-            device=self.device,
-            block_size=cfg.block_size,
-            covariates=self.evaluator.cell_covariates(declared_covariates(self.model)),
-        )
-
     # -------------------------------------------------------------------------------- predict
-    def _pert_rows(self, pert_list: list[list[str]]) -> np.ndarray:
-        rows = np.full((len(pert_list), 2), -1, dtype=np.int64)
-        index = self.pert_data.node_map_pert
-        for i, genes in enumerate(pert_list):
-            genes = [genes] if isinstance(genes, str) else list(genes)
-            genes = [g for g in genes if g != CTRL]
-            if len(genes) > 2:
-                raise GearsInputError(f"perturbation {genes} has more than two genes")
-            for slot, gene in enumerate(genes):
-                if gene not in index:
-                    raise GearsInputError(
-                        f"gene {gene!r} is not in the perturbation graph (genes with GO "
-                        "annotations among the measured and perturbed genes); it cannot be "
-                        "predicted. Choose genes from GEARS.pert_list (check the spelling), or "
-                        "retrain with data.unmapped_perts=keep to include genes without GO terms"
-                    )
-                rows[i, slot] = index[gene]
-        return rows
+    def predictor(self) -> Predictor:
+        """This model's predictions by gene names (gears.predictor): from prediction_net()."""
+        if self.model is None:
+            raise GearsInputError("no model: call model_initialize()+train() or load_pretrained()")
+        # A network set by hand (model.model = net) has no config.json record: no covariates.
+        categories = (self.config or {}).get("covariates", {})
+        net = self.prediction_net()
+        return Predictor(self.pert_data, net, categories, self.evaluator, self.ctrl_expression)
 
     def predict(self, pert_list: list[list[str]], covariates: dict[str, str] | None = None):
         """Mean expression after each perturbation (dict keyed 'A' or 'A_B', as GEARS).
@@ -335,13 +236,7 @@ class GEARS:
         mean is that context's when the data has contexts. A network that reads x: the mean
         over PREDICT_CONTROL_CELLS control cells of each one's prediction (predict_changes).
         """
-        delta, logvar = self.predict_changes(pert_list, covariates)
-        keys = ["_".join(g for g in ([p] if isinstance(p, str) else p)) for p in pert_list]
-        ctrl = self._control_mean(covariates)
-        pred = {k: predicted_expression(delta[i], ctrl) for i, k in enumerate(keys)}
-        if logvar is not None:
-            return pred, {k: float(np.exp(-logvar[i].mean())) for i, k in enumerate(keys)}
-        return pred
+        return self.predictor().predict(pert_list, covariates)
 
     def predict_changes(
         self, pert_list: list[list[str]], covariates: dict[str, str] | None = None
@@ -352,62 +247,7 @@ class GEARS:
         covariate the network reads, the same for every perturbation. A network that reads x
         is run on PREDICT_CONTROL_CELLS control cells (a seeded sample) per perturbation: the
         change is the mean of their predictions minus their mean."""
-        if self.model is None:
-            raise GearsInputError("no model: call model_initialize()+train() or load_pretrained()")
-        net, rows = self.prediction_net(), self._pert_rows(pert_list)
-        codes = self._covariate_codes(declared_covariates(net), covariates, len(rows))
-        runner = getattr(self.evaluator, "forward_runner", None)  # (train.cuda_graphs)
-        if not reads_x(net):
-            return predict_deltas(net, rows, covariates=codes, runner=runner)
-        x = self._prediction_controls(covariates)  # [n, G]
-        n = len(x)
-        repeat = {k: np.repeat(v, n) for k, v in codes.items()}
-        cells = np.repeat(rows, n, axis=0)
-        x = np.tile(x, (len(rows), 1))
-        change, logvar = predict_deltas(net, cells, covariates=repeat, x=x, runner=runner)
-        mean = lambda a: None if a is None else a.reshape(len(rows), n, -1).mean(1)  # noqa: E731
-        return mean(change), mean(logvar)
-
-    def _covariate_codes(self, names, values: dict[str, str] | None, n: int) -> dict:
-        """Codes [n] of the given covariate values (each the same for every row)."""
-        if not names:
-            return {}
-        values = values or {}
-        missing = [name for name in names if name not in values]
-        if missing:
-            raise GearsInputError(
-                f"this network reads covariates {list(names)}: give a value for {missing} "
-                f"(e.g. covariates={{{missing[0]!r}: ...}}; the model knows "
-                f"{self.config['covariates'][missing[0]][:10]})"
-            )
-        cats = self.config["covariates"]
-        return {name: np.repeat(encode([values[name]], cats[name], name), n) for name in names}
-
-    def _control_mean(self, covariates: dict[str, str] | None) -> np.ndarray:
-        """The control mean a predicted change is added to: the context's when the data has
-        contexts and a context is given, else all control cells'."""
-        contexts = getattr(self.pert_data, "contexts", [])
-        context = (covariates or {}).get(CONTEXT)
-        if context is not None and context in contexts:
-            return self.pert_data.context_ctrl_means[contexts.index(context)]
-        return self.ctrl_expression
-
-    def _prediction_controls(self, covariates: dict[str, str] | None) -> np.ndarray:
-        """The control cells a network that reads x predicts from -> [n, G] float32: a seeded
-        sample of PREDICT_CONTROL_CELLS of the data's control cells (of the given context, when
-        the data has contexts)."""
-        pd_ = self.pert_data
-        if not hasattr(pd_, "ctrl_rows"):
-            raise GearsInputError(
-                "this network reads the control cell x: predict needs control cells; load the "
-                "model with its PertData (GEARS(pert_data).load_pretrained(path))"
-            )
-        rows = pd_.ctrl_rows
-        context = (covariates or {}).get(CONTEXT)
-        if context is not None and context in getattr(pd_, "contexts", []):
-            rows = rows[pd_.cell_context[rows] == pd_.contexts.index(context)]
-        rows = control_sample_rows(rows, PREDICT_CONTROL_CELLS, seed=0)
-        return to_host(pd_.expr.rows(rows)).numpy()
+        return self.predictor().predict_changes(pert_list, covariates)
 
     def GI_predict(
         self,
@@ -418,8 +258,6 @@ class GEARS:
         """Genetic-interaction scores of a double from predicted changes versus control, on the
         genes of GI_genes_file (a text file of one gene a line, or a .npy of strings) if given,
         else on every gene."""
-        from gears.metrics import gi_params
-
         if len(combo) != 2:
             raise GearsInputError(f"GI_predict needs two genes, got {combo}")
         wanted = read_gene_file(GI_genes_file) if GI_genes_file is not None else None
@@ -434,7 +272,7 @@ class GEARS:
                     f"gene of this model (e.g. {sorted(wanted)[:5]}); list genes the model "
                     f"measures (e.g. {list(self.gene_list[:5])}), or pass GI_genes_file=None"
                 )
-        ctrl = self._control_mean(covariates)
+        ctrl = self.predictor().control_mean(covariates)
         first, second, double = (
             pred[k][genes] - ctrl[genes] for k in (combo[0], combo[1], f"{combo[0]}_{combo[1]}")
         )
@@ -443,12 +281,7 @@ class GEARS:
     def test_units(self) -> list[tuple[str, dict[str, str]]]:
         """The scored units of the test set: (condition, {covariate: value}) in the
         evaluator's order ({} for a network that reads no covariate)."""
-        view = self.evaluator.set_view("test")
-        cats = self.config["covariates"]
-        return [
-            (cond, {n: cats[n][int(c[i])] for n, c in view["covariates"].items()})
-            for i, cond in enumerate(view["conditions"])
-        ]
+        return self.predictor().test_units()
 
     def plot_perturbation(
         self,
@@ -464,20 +297,8 @@ class GEARS:
         beside it train_mean and, for a double, additive (baselines: name -> [genes] mean
         profile; None: formed from the split, gears.plotting.split_baselines). title: a second
         title line (gears.plotting.run_title)."""
-        from gears.plotting import plot_perturbation, split_baselines
-
-        cond = canonical_condition(query)
-        pred = self.predict([condition_genes(cond)], covariates)
-        pred = pred[0] if isinstance(pred, tuple) else pred
-        if baselines is None:
-            baselines = split_baselines(self.pert_data, cond)
-        return plot_perturbation(
-            self.pert_data,
-            cond,
-            next(iter(pred.values())),
-            save_file,
-            baselines=baselines,
-            title=title,
+        return self.predictor().plot_perturbation(
+            query, save_file, covariates, baselines=baselines, title=title
         )
 
     def evaluate(self, set_name: str = "test", control_mean: str = "all") -> dict:
@@ -492,40 +313,19 @@ class GEARS:
     def save_model(self, path: str | Path) -> None:
         """A folder with config.json and model.pt (weights without any DDP `module.` prefix,
         plus the graphs and gene lists, so loading needs no graph rebuild), and for predict.py
-        control_cells.h5ad and prediction.json (gears.predict.write_prediction_inputs). A fork's
-        network file (model.impl=path/to/file.py:Class) is copied in with the modules beside it
-        that it imports (gears.model.fork_files), and loads from there (with trust_code)."""
+        control_cells.h5ad and prediction.json (gears.model_folder.write_model_folder). A
+        fork's network file (model.impl=path/to/file.py:Class) is copied in with the modules
+        beside it that it imports (gears.model.fork_files), and loads from there (with
+        trust_code)."""
         if not self.env.is_main:
             return
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        meta = dict(self.config, gene_names=self.gene_list, pert_names=self.pert_list)
-        text = json.dumps(meta, indent=1)
-        ckpt.atomic_write(path / CONFIG_FILE, lambda tmp: tmp.write_text(text))
-        state = {
-            "format": ckpt.FORMAT_VERSION,
-            "meta": self._checkpoint_meta(),
-            "state_dict": self.model.state_dict(),
-            "graphs": {k: (to_host(v[0]), to_host(v[1])) for k, v in self.graphs.items()},
-            "ctrl_expression": torch.as_tensor(np.asarray(self.ctrl_expression)),
-        }
-        ckpt.atomic_save(state, path / MODEL_FILE)
-        fork = spec_file(self.model_cfg.impl)
-        if fork is not None:  # the fork's code beside its weights (network_class reads it)
-            source = Path(inspect.getsourcefile(type(self.model)))
-            for file in fork_files(source):
-                text = file.read_text()
-                name = fork.name if file == source else file.name
-                ckpt.atomic_write(path / name, lambda tmp, text=text: tmp.write_text(text))
-        if hasattr(self.pert_data, "ctrl_rows"):  # a PertData, not a folder's vocabulary
-            # Control cells and the input's spelling, so predict.py needs no dataset.
-            write_prediction_inputs(self.pert_data, path, seed=self.seed)
+        write_model_folder(
+            path, self.model, self.model_cfg, self.config, self.graphs, self.pert_data, self.seed
+        )
 
     def _checkpoint_meta(self) -> dict:
-        """The data vocabulary hash and model size a saved model.pt must match (config.json
-        and model.pt from different runs are refused by name, not by a tensor shape error)."""
-        vocab = ckpt.vocab_hash(self.gene_list, self.pert_list)
-        return {"vocab_hash": vocab, **self.model_cfg.shape_fields()}
+        """The data vocabulary hash and model size a saved model.pt must match."""
+        return checkpoint_meta(self.gene_list, self.pert_list, self.model_cfg)
 
     @classmethod
     def from_cell_gears(
@@ -544,8 +344,6 @@ class GEARS:
         default perturbation graph, gene_set (its essential_all_data_pert_genes.pkl) give the
         gene and perturbation order as cell-gears builds it (gears/cell_gears.py,
         docs/cell_gears_models.md). Predictions add the mean of all the data's control cells."""
-        from gears import cell_gears
-
         vocab = cell_gears.vocabulary_of_data(adata, gene2go, gene_set)
         model = cls(vocab, device=device)
         return model.load_pretrained(path, check_go_graph, cell_gears_predict)
@@ -566,8 +364,6 @@ class GEARS:
         config.json names a fork's class runs the copy of its file kept in the folder only when
         True (read the file first; like transformers' trust_remote_code); without it that is an
         error naming the file, and nothing of the folder runs (gears.model.folder_code)."""
-        from gears import cell_gears
-
         path = Path(path)
         if cell_gears.is_cell_gears_folder(path):
             return cell_gears.load_into(

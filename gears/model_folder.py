@@ -11,6 +11,7 @@ GEARS.load_pretrained and predict.py read without the training data.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 from pathlib import Path
@@ -19,10 +20,15 @@ import anndata as ad
 import numpy as np
 import pandas as pd
 import scipy.sparse as sp
+import torch
 
+from gears import checkpoint as ckpt
+from gears.config import ModelConfig
 from gears.data.conditions import CTRL
+from gears.device import to_host
 from gears.errors import GearsInputError
-from gears.io import write_h5ad
+from gears.io import read_json, write_h5ad
+from gears.model import fork_files, spec_file
 
 MODEL_FILE, CONFIG_FILE = "model.pt", "config.json"
 CONTROL_CELLS_FILE = "control_cells.h5ad"
@@ -81,6 +87,57 @@ def write_prediction_inputs(
     tmp.replace(path / PREDICTION_FILE)
 
 
+def checkpoint_meta(gene_names: list[str], pert_names: list[str], model_cfg: ModelConfig) -> dict:
+    """The data vocabulary hash and model size a saved model.pt must match (config.json and
+    model.pt from different runs are refused by name, not by a tensor shape error)."""
+    vocab = ckpt.vocab_hash(gene_names, pert_names)
+    return {"vocab_hash": vocab, **model_cfg.shape_fields()}
+
+
+def write_model_folder(
+    path: str | Path,
+    network: torch.nn.Module,
+    model_cfg: ModelConfig,
+    config: dict,
+    graphs: dict,
+    pert_data,
+    seed: int,
+) -> None:
+    """A folder with config.json and model.pt (weights without any DDP `module.` prefix, plus
+    the graphs and gene lists, so loading needs no graph rebuild), and for predict.py
+    control_cells.h5ad and prediction.json (write_prediction_inputs). A fork's network file
+    (model.impl=path/to/file.py:Class) is copied in with the modules beside it that it imports
+    (gears.model.fork_files), and loads from there (with trust_code).
+
+    config: config.json's hyperparameters and graph settings (gears.build); graphs: "go" and
+    "coexpress" -> (edge_index, edge_weight); pert_data: the PertData (or a folder's
+    SavedVocabulary) whose gene and perturbation names and control mean are saved."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    gene_names, pert_names = list(pert_data.gene_names), list(pert_data.pert_names)
+    meta = dict(config, gene_names=gene_names, pert_names=pert_names)
+    text = json.dumps(meta, indent=1)
+    ckpt.atomic_write(path / CONFIG_FILE, lambda tmp: tmp.write_text(text))
+    state = {
+        "format": ckpt.FORMAT_VERSION,
+        "meta": checkpoint_meta(gene_names, pert_names, model_cfg),
+        "state_dict": network.state_dict(),
+        "graphs": {k: (to_host(v[0]), to_host(v[1])) for k, v in graphs.items()},
+        "ctrl_expression": torch.as_tensor(np.asarray(pert_data.ctrl_mean)),
+    }
+    ckpt.atomic_save(state, path / MODEL_FILE)
+    fork = spec_file(model_cfg.impl)
+    if fork is not None:  # the fork's code beside its weights (network_class reads it)
+        source = Path(inspect.getsourcefile(type(network)))
+        for file in fork_files(source):
+            text = file.read_text()
+            name = fork.name if file == source else file.name
+            ckpt.atomic_write(path / name, lambda tmp, text=text: tmp.write_text(text))
+    if hasattr(pert_data, "ctrl_rows"):  # a PertData, not a folder's vocabulary
+        # Control cells and the input's spelling, so predict.py needs no dataset.
+        write_prediction_inputs(pert_data, path, seed=seed)
+
+
 def read_control_cells(path: Path) -> ad.AnnData:
     """A model folder's control_cells.h5ad; a damaged one (truncated copy, full disk at save)
     is one GearsInputError naming it, not a reader's traceback."""
@@ -98,8 +155,6 @@ def read_model_json(folder: str | Path, name: str) -> dict:
     """A model folder's config.json or prediction.json as a dict; a missing, empty, truncated
     or edited-invalid file is a GearsInputError naming it and what to do (not a JSONDecodeError).
     predict.py and GEARS.load_pretrained read the folder through this."""
-    from gears.io import read_json
-
     return read_json(
         Path(folder) / name,
         f"the model folder's {name}",

@@ -5,21 +5,39 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import netrc
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlparse
 
 import numpy as np
 
 from gears import checkpoint as ckpt
+from gears import scoring
+from gears.build import LOADER_KEYS, BuiltNetwork, new_network, train_network
 from gears.config import Config, load_config
-from gears.distributed import DistEnv, build_in_stages
+from gears.contexts import one_model_per_context, run_contexts
+from gears.data.pertdata import PertData
+from gears.distributed import DistEnv, build_in_stages, release
+from gears.engine import Trainer, seed_everything
 from gears.errors import GearsInputError, TrainingStopped
 from gears.exiting import EXIT_WAIT_S, exit_quickly  # noqa: F401 (EXIT_WAIT_S: for callers)
 from gears.faults import injected_delay
+from gears.io import file_name
+from gears.model import network_class, network_options
+from gears.model_folder import write_model_folder
+from gears.plotting import plot_history, run_title
+from gears.predict import print_cell_eval_table, require_cell_eval
+from gears.predictor import Predictor
+from gears.report import print_table
 from gears.run_folder import claim_run_folder, prior_outputs
 from gears.runtime import auto_threads, set_threads, tune_allocator, wait_report
+from gears.torch_compat import default_store
+from gears.training_state import History
+from gears.vcc2026 import print_vcc2026_table, require_cell_eval2, require_scorable
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = ROOT / "configs" / "default.yaml"
@@ -74,8 +92,6 @@ def load_pert_data(cfg: Config, env: DistEnv, store=None, split: bool = True):
     The ranks wait for each other on a store (`build_in_stages`, distributed.data_wait_s), never
     in a collective: train_distributed.py passes the rendezvous store before the process group
     exists (env has no group yet); a caller already in a group uses the group's store."""
-    from gears.data.pertdata import PertData
-    from gears.engine import seed_everything
 
     def build():
         pert_data = PertData(
@@ -112,8 +128,6 @@ def load_pert_data(cfg: Config, env: DistEnv, store=None, split: bool = True):
         return build()
 
     if store is None and env.distributed:
-        from gears.torch_compat import default_store
-
         store = default_store()
     if store is None:
         return staged()
@@ -126,7 +140,7 @@ def init_wandb(cfg: Config, env: DistEnv):
     if not env.is_main or cfg.wandb.mode == "disabled":
         return None
 
-    import wandb
+    import wandb  # here: an optional package, imported by the runs that log to it
 
     os.environ.setdefault("WANDB_SILENT", "true")
     return wandb.init(
@@ -152,31 +166,9 @@ def _clean(obj):
     return obj
 
 
-def train_fit(evaluator, pert_data, pred_mean: np.ndarray) -> dict:
-    """GEARS's metrics on the training perturbations (how well the kept model fits what it was
-    trained on) beside the baselines on the same perturbations; rank 0 only.
-
-    pred_mean: [C, G] the model's mean predictions for evaluator.set_view("train")["conditions"].
-    Returns {"train_fit": {metric: value}, "train_fit_baselines": {baseline: {metric: value}}}.
-    The baselines see these perturbations' own means (train_mean averages them, additive sums
-    their singles), so this is a fit comparison, not a generalisation one.
-    """
-    from gears.baselines import baseline_predictions
-
-    conditions = evaluator.set_view("train")["conditions"]
-    fit = evaluator.full("train", pred_mean=pred_mean)["summary"]["overall"]
-    train_means = dict(zip(conditions, pert_data.condition_means(conditions)))
-    baselines = {}
-    for name, bpred in baseline_predictions(
-        train_means, pert_data.ctrl_mean, conditions, list(pert_data.gene_names)
-    ).items():
-        if not np.isnan(bpred).all():
-            baselines[name] = evaluator.full("train", pred_mean=bpred)["summary"]["overall"]
-    return {"train_fit": fit, "train_fit_baselines": baselines}
-
-
 def run(cfg: Config, env: DistEnv, pert_data=None, later: list | None = None) -> dict | None:
-    """Train on cfg's data, evaluate on test with baselines, write the run directory (rank 0).
+    """Train on cfg's data (gears.build), score the test set beside the baselines
+    (gears.scoring), write the run directory (rank 0).
 
     The run owns out_dir while it lives (gears.run_folder: a lock, and never another run's
     outputs overwritten). pert_data: this rank's data when the launcher prepared it before
@@ -212,18 +204,11 @@ def check_before_the_run(cfg: Config) -> None:
     """What a run needs that the config alone shows, said before out_dir is claimed or
     anything is trained or written: an uninstalled scorer (not after an hour of training), a
     fork's class that cannot be found, a model cell-eval2 cannot score."""
-    from gears.contexts import one_model_per_context
-    from gears.model import network_class, network_options
-
     if cfg.eval.cell_eval:
-        from gears.predict import require_cell_eval
-
         require_cell_eval()
     network = network_class(cfg.model.impl)
     network_options(network, cfg.model.extra, cfg.model.impl)  # model.extra: names it takes
     if cfg.eval.cell_eval2:
-        from gears.vcc2026 import require_cell_eval2, require_scorable
-
         require_cell_eval2()
         require_scorable(cfg, network, one_model_per_context(cfg))
 
@@ -231,9 +216,8 @@ def check_before_the_run(cfg: Config) -> None:
 def plot_examples(model, out: Path, n: int, baseline_means=None, title=None) -> None:
     """The first n test units' perturbation plots, in out/plots whatever the names (a gene
     named like a path names no place, gears.io.file_name). baseline_means: predictor -> [units,
-    G] means drawn beside the prediction; title(context) -> the plot's title."""
-    from gears.io import file_name
-
+    G] means drawn beside the prediction; title(context) -> the plot's title. model: what
+    gives the test units and draws a plot (a Predictor, or the GEARS facade)."""
     for i, (cond, values) in enumerate(model.test_units()[:n]):
         name = file_name("_".join([cond.replace("+", "_"), *map(str, values.values())]))
         extra = {}
@@ -248,9 +232,6 @@ def check_wandb_login(cfg: Config) -> None:
     """wandb.mode=online needs a W&B API key on this machine (WANDB_API_KEY, an identity
     token file, or `wandb login`'s netrc entry); without one wandb.init fails after the run's
     folder is written: say so before anything is written. Reads no network."""
-    import netrc
-    from urllib.parse import urlparse
-
     if cfg.wandb.mode != "online":
         return
     if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
@@ -269,152 +250,175 @@ def check_wandb_login(cfg: Config) -> None:
     )
 
 
+@dataclass
+class Trained:
+    """A trained network and how long training took (rank 0's clocks)."""
+
+    built: BuiltNetwork
+    trainer: Trainer
+    history: History
+    train_s: float
+    train_cpu_s: float  # every thread: spinning waits show here
+
+
 def _run(cfg: Config, env: DistEnv, pert_data=None, later: list | None = None) -> dict | None:
-    from gears.api import GEARS
-    from gears.baselines import baseline_predictions
-    from gears.engine import seed_everything
-    from gears.report import held_out, matched_scores, no_change_validation
-
+    """run's work once out_dir is claimed: train, score, write."""
     t_start = time.perf_counter()
-    from gears.contexts import one_model_per_context, run_contexts
-
     if one_model_per_context(cfg) and getattr(pert_data, "context", None) is None:
         # one model per context, then a summary
-        def load_unsplit(cfg, env):
-            return load_pert_data(cfg, env, split=False)
-
         return run_contexts(
-            cfg, env, pert_data, load=load_unsplit, prepare=split_and_graphs, run_one=run
+            cfg, env, pert_data, load=_load_unsplit, prepare=split_and_graphs, run_one=run
         )
-    seed_everything(cfg.seed)
-    out = Path(cfg.out_dir)
-    # A resume keeps the checkpoint's config.yaml until the checkpoint has accepted this one.
-    keep_config = cfg.train.resume and bool(ckpt.list_checkpoints(out / "checkpoints"))
-    if env.is_main:
-        (out / "plots").mkdir(parents=True, exist_ok=True)
-        if not keep_config:
-            cfg.save(out / "config.yaml")
+    keep_config = _start(cfg, env)
     if pert_data is None:
         pert_data = load_pert_data(cfg, env)
     # After the data: scanpy's numba DE resets torch's pool. 0: this rank's share of the cores.
     threads = set_threads(cfg.train.threads or auto_threads())
     tune_allocator()  # glibc keeps freed activations: no per-step page faults
     wandb_run = init_wandb(cfg, env)
-    model = GEARS(pert_data, env=env, wandb_run=wandb_run, out_dir=out, seed=cfg.seed)
+    trained = train_model(cfg, env, pert_data, wandb_run)
+    if env.is_main and keep_config:
+        # the resumed run's settings (train.epochs may have risen)
+        cfg.save(Path(cfg.out_dir) / "config.yaml")
+    t_eval = time.perf_counter()
+    evaluator = trained.built.evaluator  # its protocol: eval.control_mean, set in training
+    predictions = scoring.gather_predictions(evaluator, pert_data)  # every rank takes part
+    # Every collective (each gathered prediction) must come before this point: the ranks leave
+    # the group here and rank 0 alone scores below, with no collective timeout pending.
+    env = leave_process_group(trained, env)  # the last collective: the other ranks are done
+    if not env.is_main:
+        return None
+    injected_delay("scoring", env.rank)
+    results = run_facts(cfg, env, pert_data, trained)
+    scores = scoring.score(evaluator, pert_data, predictions, cfg.eval.control_mean)
+    results.update(scores.results)
+    eval_s = time.perf_counter() - t_eval
+    results["timing"] = run_timing(trained, threads, eval_s, time.perf_counter() - t_start)
+    results["history"] = {
+        "train_loss": trained.history.train_loss,
+        "val": trained.history.val,
+        "skipped_steps": trained.history.skipped_steps,  # fp16 GradScaler overflow skips per epoch
+    }
+    results["report"] = pert_data.report
+    return write_outputs(cfg, results, trained, pert_data, scores, wandb_run, later)
+
+
+def _load_unsplit(cfg: Config, env: DistEnv):
+    return load_pert_data(cfg, env, split=False)
+
+
+def _start(cfg: Config, env: DistEnv) -> bool:
+    """Seed, make out_dir/plots and write config.yaml (rank 0). -> whether config.yaml is kept
+    for now: a resume keeps the checkpoint's until the checkpoint has accepted this one."""
+    seed_everything(cfg.seed)
+    out = Path(cfg.out_dir)
+    keep_config = cfg.train.resume and bool(ckpt.list_checkpoints(out / "checkpoints"))
+    if env.is_main:
+        (out / "plots").mkdir(parents=True, exist_ok=True)
+        if not keep_config:
+            cfg.save(out / "config.yaml")
+    return keep_config
+
+
+def train_model(cfg: Config, env: DistEnv, pert_data, wandb_run) -> Trained:
+    """cfg's network, trained on pert_data with checkpoints in out_dir (gears.build)."""
     seed_everything(cfg.seed)  # the same initial weights on every rank, whatever ran before
-    model.initialize(cfg.model, cfg.data)
+    built = new_network(pert_data, cfg.model, cfg.data, env)
     t_train, cpu_train = time.perf_counter(), time.process_time()
-    history = model.train(
-        train_cfg=cfg.train,
+    trainer, history = train_network(
+        built,
+        pert_data,
+        env,
+        cfg.train,
+        explicit=set(LOADER_KEYS),
         dist_cfg=cfg.distributed,
+        wandb_run=wandb_run,
+        out_dir=Path(cfg.out_dir),
+        seed=cfg.seed,
         control_mean=cfg.eval.control_mean,
         run_config=cfg.to_dict(),
     )
     train_s = time.perf_counter() - t_train
-    train_cpu_s = time.process_time() - cpu_train  # every thread: spinning waits show here
-    if env.is_main and keep_config:
-        cfg.save(out / "config.yaml")  # the resumed run's settings (train.epochs may have risen)
+    return Trained(built, trainer, history, train_s, time.process_time() - cpu_train)
 
-    t_eval = time.perf_counter()
-    evaluator = model.evaluator  # its protocol: eval.control_mean, set by train()
-    has_test = bool([c for c in pert_data.set2conditions.get("test", []) if c != "ctrl"])
-    pred = evaluator.predict_means("test") if has_test else None  # every rank takes part
-    has_train = bool([c for c in pert_data.set2conditions.get("train", []) if c != "ctrl"])
-    train_pred = evaluator.predict_means("train") if has_train else None
-    # Every collective (each gathered prediction) must come before this point: the ranks leave
-    # the group here and rank 0 alone scores below, with no collective timeout pending.
-    env = model.release_process_group()  # the last collective: the other ranks are done
-    results = None
-    if env.is_main:
-        injected_delay("scoring", env.rank)
-        results = {
-            "dataset": pert_data.dataset_name,
-            "split": cfg.split.type,
-            "world_size": env.world_size,
-            "effective_batch_size": cfg.train.batch_size
-            * env.world_size
-            * cfg.train.grad_accum_steps,
-            "best_epoch": model.best_epoch + 1,
-            "select": cfg.train.select,
-            "control_mean": cfg.eval.control_mean,
-            "val_best": history.val[model.best_epoch] if history.val else {},
-            "val_no_change": no_change_validation(evaluator, pert_data.ctrl_mean),
-            "test": {},
-            "subgroups": {},
-            "baselines": {},
-            "baseline_subgroups": {},
-        }
-        if has_test:
-            scored = evaluator.full("test", pred_mean=pred)
-            full_by_predictor = {"gears": scored}
-            results["test"] = scored["summary"].pop("overall")
-            results["subgroups"] = scored["summary"]
-            view = evaluator.set_view("test")
-            train_conds = [c for c in pert_data.set2conditions["train"] if c != "ctrl"]
-            train_means = dict(zip(train_conds, pert_data.condition_means(train_conds)))
-            baseline_means = baseline_predictions(
-                train_means, pert_data.ctrl_mean, view["conditions"], list(pert_data.gene_names)
-            )
-            for name, bpred in baseline_means.items():
-                if np.isnan(bpred).all():
-                    continue
-                full_by_predictor[name] = evaluator.full("test", pred_mean=bpred)
-                b = full_by_predictor[name]["summary"]
-                results["baselines"][name] = b.pop("overall")
-                results["baseline_subgroups"][name] = b
-            groups = (pert_data.subgroup or {}).get("test_subgroup") or {}
-            results["test_conditions"] = held_out(view["conditions"], groups)
-            results["matched"] = matched_scores(full_by_predictor)
-            if cfg.eval.control_mean == "paired":  # what the protocol adds, for the report
-                control = evaluator.control_means("test")
-                results["paired_control_alone"] = evaluator.full("test", pred_mean=control)[
-                    "summary"
-                ]["overall"]
-        if has_train:
-            results.update(train_fit(evaluator, pert_data, train_pred))
-        eval_s = time.perf_counter() - t_eval
-        epochs_run = max(len(history.epoch_s), 1)
-        results["timing"] = {
-            "train_cells_per_s": float(np.mean(history.cells_per_s)) if history.cells_per_s else 0,
-            "epoch_s": float(np.mean(history.epoch_s)) if history.epoch_s else 0.0,
-            "train_s": train_s,
-            "train_cpu_s": train_cpu_s,
-            "epochs": epochs_run,
-            "eval_s": eval_s,
-            "total_s": time.perf_counter() - t_start,
-            "threads": threads,  # torch's CPU threads while training (rank 0)
-            "omp_waits": wait_report(),  # governed: switches between spinning and short waits
-        }
-        results["history"] = {
-            "train_loss": history.train_loss,
-            "val": history.val,
-            "skipped_steps": history.skipped_steps,  # fp16 GradScaler overflow skips per epoch
-        }
-        results["report"] = pert_data.report
-        # The model and metrics.json first: what follows (plots, cell-eval, cell-eval2) is
-        # optional, and a failure there loses none of this.
-        model.save_model(out / "model")
-        results = _write_metrics(out, results)
-        if has_test:
-            from gears.report import print_table
 
-            print_table(results)
-        if wandb_run is not None:
-            wandb_run.summary.update({f"test/{k}": v for k, v in results["test"].items()})
-            wandb_run.finish()
-        test_conditions = evaluator.set_view("test")["conditions"] if has_test else []
-        scored_means = baseline_means if has_test else {}
+def leave_process_group(trained: Trained, env: DistEnv) -> DistEnv:
+    """After the last collective of a distributed run: drop the DDP wrapper while the process
+    group is alive, leave the group (gears.distributed.release), and go on in this process
+    alone (rank 0 scores and writes; the others are done). -> the new DistEnv."""
+    trained.trainer.unwrap()
+    env = release(env)
+    trained.built.evaluator.env = env
+    return env
 
-        def optional_outputs() -> dict:
-            return _optional_outputs(
-                cfg, out, results, model, pert_data, history, test_conditions, scored_means
-            )
 
-        if later is not None:  # the caller runs it once every context's model is written
-            later.append(optional_outputs)
-        else:
-            results = optional_outputs()
-    return results
+def run_facts(cfg: Config, env: DistEnv, pert_data, trained: Trained) -> dict:
+    """metrics.json's first fields: what was trained on what, and which epoch was kept."""
+    best, history = trained.trainer.best_epoch, trained.history
+    return {
+        "dataset": pert_data.dataset_name,
+        "split": cfg.split.type,
+        "world_size": env.world_size,
+        "effective_batch_size": cfg.train.batch_size * env.world_size * cfg.train.grad_accum_steps,
+        "best_epoch": best + 1,
+        "select": cfg.train.select,
+        "control_mean": cfg.eval.control_mean,
+        "val_best": history.val[best] if history.val else {},
+    }
+
+
+def run_timing(trained: Trained, threads: int, eval_s: float, total_s: float) -> dict:
+    """metrics.json's timing: training speed, time per phase, threads and OpenMP waits."""
+    history = trained.history
+    return {
+        "train_cells_per_s": float(np.mean(history.cells_per_s)) if history.cells_per_s else 0,
+        "epoch_s": float(np.mean(history.epoch_s)) if history.epoch_s else 0.0,
+        "train_s": trained.train_s,
+        "train_cpu_s": trained.train_cpu_s,
+        "epochs": max(len(history.epoch_s), 1),
+        "eval_s": eval_s,
+        "total_s": total_s,
+        "threads": threads,  # torch's CPU threads while training (rank 0)
+        "omp_waits": wait_report(),  # governed: switches between spinning and short waits
+    }
+
+
+def write_outputs(
+    cfg: Config, results: dict, trained: Trained, pert_data, scores, wandb_run, later
+) -> dict:
+    """model/ and metrics.json, the printed table and wandb's summary; then the optional
+    outputs (plots, cell-eval, cell-eval2), or, with later, a callable that makes them
+    appended to it. Rank 0. -> the run's results"""
+    out, built = Path(cfg.out_dir), trained.built
+    # The model and metrics.json first: what follows (plots, cell-eval, cell-eval2) is
+    # optional, and a failure there loses none of this.
+    write_model_folder(
+        out / "model",
+        built.network,
+        built.model_cfg,
+        built.config,
+        built.graphs,
+        pert_data,
+        cfg.seed,
+    )
+    results = _write_metrics(out, results)
+    if scores.tested:
+        print_table(results)
+    if wandb_run is not None:
+        wandb_run.summary.update({f"test/{k}": v for k, v in results["test"].items()})
+        wandb_run.finish()
+    categories = built.config["covariates"]
+    predictor = Predictor(
+        pert_data, built.network, categories, built.evaluator, pert_data.ctrl_mean
+    )
+
+    def optional_outputs() -> dict:
+        return _optional_outputs(cfg, out, results, predictor, pert_data, trained.history, scores)
+
+    if later is not None:  # the caller runs it once every context's model is written
+        later.append(optional_outputs)
+        return results
+    return optional_outputs()
 
 
 def _write_metrics(out: Path, results: dict) -> dict:
@@ -441,65 +445,31 @@ def _optional(what: str, work):
 
 
 def _optional_outputs(
-    cfg: Config, out: Path, results: dict, model, pert_data, history, conditions, baseline_means
+    cfg: Config, out: Path, results: dict, predictor, pert_data, history, scores
 ) -> dict:
     """Plots, cell-eval and cell-eval2 of a run whose model and metrics.json are written (rank
     0); each that fails prints one line. metrics.json is rewritten with the scores.
-    -> the run's results"""
-    from gears.model import network_class
-    from gears.plotting import plot_history, run_title
-
+    scores: gears.scoring.Scores (the test units and the baselines' means). -> the run's results"""
     t0 = time.perf_counter()
-
-    def plots():
-        network = network_class(cfg.model.impl).__name__
-        context = getattr(pert_data, "context", None)
-        plot_history(
-            history,
-            out / "plots" / "loss.png",
-            kept_epoch=results["best_epoch"],
-            no_change=results["val_no_change"].get("mse_de"),
-            title=run_title(out, network, context, context_run=context is not None),
-        )
-        if conditions:
-            plot_examples(
-                model,
-                out,
-                cfg.train.plot_conditions,
-                baseline_means,
-                lambda ctx: run_title(
-                    out, network, ctx or context, context_run=context is not None
-                ),
-            )
-
-    _optional("plots", plots)
+    _optional("plots", lambda: _plots(cfg, out, results, predictor, pert_data, history, scores))
+    args = (cfg, pert_data, predictor, scores.conditions, scores.baseline_means, out)
     scored = False
-    if conditions and cfg.eval.cell_eval:
+    if scores.conditions and cfg.eval.cell_eval:
         results["cell_eval"] = _optional(
-            "cell-eval scoring",
-            lambda: cell_eval_test_scores(cfg, pert_data, model, conditions, baseline_means, out),
+            "cell-eval scoring", lambda: scoring.cell_eval_scores(*args)
         )
         scored = True
-    if conditions and cfg.eval.cell_eval2:
-        from gears import vcc2026
-
+    if scores.conditions and cfg.eval.cell_eval2:
         results["cell_eval2"] = _optional(
-            "cell-eval2 scoring",
-            lambda: vcc2026.test_split_scores(
-                cfg, pert_data, model.model, conditions, baseline_means, out
-            ),
+            "cell-eval2 scoring", lambda: scoring.cell_eval2_scores(*args)
         )
         scored = True
     if scored:
         results["timing"]["scoring_s"] = time.perf_counter() - t0
         results = _write_metrics(out, results)
         if results.get("cell_eval") and "error" not in results["cell_eval"]:
-            from gears.predict import print_cell_eval_table
-
             print_cell_eval_table(results["cell_eval"])
         if results.get("cell_eval2") and "error" not in results["cell_eval2"]:
-            from gears.vcc2026 import print_vcc2026_table
-
             print_vcc2026_table(results["cell_eval2"])
     print(
         f"\nwrote {out}/ (config.yaml, metrics.json, model/, checkpoints/, plots/) in "
@@ -509,28 +479,25 @@ def _optional_outputs(
     return results
 
 
-def cell_eval_test_scores(cfg: Config, pert_data, model, conditions, baseline_means, out):
-    """cell-eval's vcc profile on the test perturbations for GEARS and every baseline, each
-    turned into cells the same way (control cell + predicted change). Rank 0 only."""
-    from gears.data.conditions import condition_genes
-    from gears.predict import score_test_set
-
-    delta, _ = model.predict_changes([condition_genes(c) for c in conditions])
-    deltas = {"gears": delta}
-    deltas.update({name: m - pert_data.ctrl_mean[None, :] for name, m in baseline_means.items()})
-    t0 = time.perf_counter()
-    scores = score_test_set(
-        pert_data,
-        conditions,
-        deltas,
-        out / "cell_eval",
-        seed=cfg.seed,
-        threads=cfg.train.threads or -1,
+def _plots(cfg: Config, out: Path, results: dict, predictor, pert_data, history, scores) -> None:
+    """The loss curves, and the first train.plot_conditions test units' perturbation plots."""
+    network = network_class(cfg.model.impl).__name__
+    context = getattr(pert_data, "context", None)
+    plot_history(
+        history,
+        out / "plots" / "loss.png",
+        kept_epoch=results["best_epoch"],
+        no_change=results["val_no_change"].get("mse_de"),
+        title=run_title(out, network, context, context_run=context is not None),
     )
-    print(
-        f"cell-eval scored {len(scores)} predictors in {time.perf_counter() - t0:.1f}s", flush=True
-    )
-    return scores
+    if scores.conditions:
+        plot_examples(
+            predictor,
+            out,
+            cfg.train.plot_conditions,
+            scores.baseline_means,
+            lambda ctx: run_title(out, network, ctx or context, context_run=context is not None),
+        )
 
 
 def guarded(main):

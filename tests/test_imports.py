@@ -98,3 +98,33 @@ def test_the_data_layer_imports_nothing_above_it():
         if not t.startswith("gears.data") and reaches_data(t, set())
     }
     assert upward == set(), upward
+
+
+def function_lengths(path: Path) -> dict[str, int]:
+    """qualified name -> lines (def line to last line) of every function in a module."""
+    lengths = {}
+
+    def visit(node, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{prefix}{child.name}"
+                if not isinstance(child, ast.ClassDef):
+                    lengths[name] = child.end_lineno - child.lineno + 1
+                visit(child, f"{name}.")
+
+    visit(ast.parse(path.read_text()), "")
+    return lengths
+
+
+def test_the_run_trains_and_scores_without_the_facade():
+    """gears/run.py builds the network and the Trainer (gears/build.py) and scores through one
+    module (gears/scoring.py), not through the GEARS facade, which is cell-gears's API for
+    notebooks; and reads top to bottom in functions of at most 60 lines. (Seen failing when
+    _run was 155 lines and made a GEARS: it imported gears.api.)"""
+    graph = import_graph(ROOT)
+    assert "gears.api" not in graph["gears.run"]
+    assert {"gears.build", "gears.scoring"} <= graph["gears.run"]
+    assert "gears.api" not in graph["gears.scoring"] | graph["gears.build"]
+    assert {"gears.build", "gears.predictor"} <= graph["gears.api"]
+    long = {n: k for n, k in function_lengths(ROOT / "gears" / "run.py").items() if k > 60}
+    assert long == {}, long
