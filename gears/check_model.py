@@ -41,13 +41,8 @@ from gears.config import Config, TrainConfig
 from gears.distributed import DistEnv
 from gears.engine import CELL_ROWS, RepeatRows, Trainer, seed_everything
 from gears.model import NETWORKS, GEARSNet, is_class_spec
-from gears.model.batch import (
-    ModelBatch,
-    declared_covariates,
-    predicted_expression,
-    reads_x,
-    split_output,
-)
+from gears.model.batch import ModelBatch, predicted_expression, split_output
+from gears.model.contract import declared_covariates, per_cell_rows, reads_x
 from gears.model.rows import batch_rows, cell_outputs, row_layout
 from gears.torch_compat import is_batch_norm
 
@@ -270,7 +265,7 @@ def check_model(cfg: Config, pert_data=None, batches: int = 2, tol: float = TOLE
         ref = NETWORKS["reference"](
             model_cfg, pert_data.n_genes, len(api.pert_list), go, go_w, co, co_w
         )
-    elif getattr(configured.model, "per_cell_rows", False):
+    elif per_cell_rows(configured.model):
         ref = configured.model  # the reference, or a fork of it
     else:
         report.skipped = f"{type(configured.model).__name__} does not take one row per cell"

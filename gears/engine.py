@@ -30,8 +30,16 @@ from gears.distributed import (
 from gears.errors import GearsInputError, NonFiniteLossError
 from gears.evaluate import EVAL_CHUNK, Evaluator
 from gears.faults import FaultPlan
-from gears.model import graph_buffer_names
-from gears.model.batch import check_output, declared_covariates, predicted_expression, reads_x
+from gears.model.batch import check_output, predicted_expression
+from gears.model.contract import (
+    declared_covariates,
+    fixed_shape_graphs,
+    graph_buffer_names,
+    one_row_per_cell,
+    reads_x,
+    set_sync_batchnorm,
+    syncs_batchnorm,
+)
 from gears.model.losses import gears_loss
 from gears.model.rows import (  # noqa: F401 (CELL_ROWS, RepeatRows: the layouts, re-exported)
     CELL_ROWS,
@@ -266,12 +274,12 @@ def check_network(
     """Refuse, by name, what the network class cannot run (gears.config.check_impl does the
     same for model.impl=reference when the config is read)."""
     name = type(net).__name__
-    if train_cfg.compile and (reads_x(net) or getattr(net, "per_cell_rows", False)):
+    if train_cfg.compile and one_row_per_cell(net):
         raise GearsInputError(
             f"train.compile=true needs rows of distinct perturbations; {name} takes one row per "
             "cell (data-dependent shapes recompile per batch): drop train.compile"
         )
-    if dist_cfg.sync_batchnorm and not hasattr(net, "set_sync_batchnorm"):
+    if dist_cfg.sync_batchnorm and not syncs_batchnorm(net):
         raise GearsInputError(
             f"distributed.sync_batchnorm=true needs a network with set_sync_batchnorm (the fast "
             f"GEARSNet's weighted batch-norms); {name} has none: drop distributed.sync_batchnorm"
@@ -290,9 +298,7 @@ def wrap_for_training(
     train.compile (rows padded to a few sizes by batch_rows)."""
     model = net
     if env.distributed and ddp is not False:
-        set_sync = getattr(net, "set_sync_batchnorm", None)  # (the fast network's)
-        if set_sync is not None:
-            set_sync(dist_cfg.sync_batchnorm)
+        set_sync_batchnorm(net, dist_cfg.sync_batchnorm)  # (the fast network's)
         # The graphs are built identically on every rank: DDP's default would broadcast them
         # (MBs at genome scale) from rank 0 before every forward.
         ddp_ignore(net, graph_buffer_names(net))
@@ -464,7 +470,7 @@ class Trainer:
         self.params = [p for p in self.net.parameters() if p.requires_grad]  # for clipping
         # What the network reads (its class's declarations): the rows it is given.
         self.reads_x, self.covariates = reads_x(self.net), declared_covariates(self.net)
-        self.per_cell = self.reads_x or bool(getattr(self.net, "per_cell_rows", False))
+        self.per_cell = one_row_per_cell(self.net)
         self.gene_mask = to_device(torch.as_tensor(pert_data.non_zero_mask), self.device)
         self.ctrl_mean = to_device(
             torch.as_tensor(pert_data.ctrl_mean, dtype=torch.float32), self.device
@@ -613,9 +619,7 @@ class Trainer:
             if self.env.is_main:
                 print(f"train.cuda_graphs: {why}; training with eager steps", flush=True)
             return None
-        fixed_shape = getattr(self.net, "fixed_shape_graphs", None)
-        if fixed_shape is not None:
-            fixed_shape()  # graph propagation without a sparse tensor built per call
+        fixed_shape_graphs(self.net)  # graph propagation without a sparse tensor built per call
         self.runner = StepRunner(self, plan, capture=self.device.type == "cuda")
         # The validation and test forwards replayed the same way (evaluate.predict_deltas).
         self.evaluator.forward_runner = ForwardRunner(
