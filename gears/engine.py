@@ -41,10 +41,14 @@ from gears.model.contract import (
     syncs_batchnorm,
 )
 from gears.model.losses import gears_loss
-from gears.model.rows import (  # noqa: F401 (CELL_ROWS, RepeatRows: the layouts, re-exported)
+from gears.model.rows import (  # noqa: F401 (the layouts, re-exported)
     CELL_ROWS,
+    WEIGHTED_ROWS,
+    CellRows,
+    EqualRows,
     Layout,
     RepeatRows,
+    WeightedRows,
     batch_rows,
     cell_outputs,
     row_layout,
@@ -493,11 +497,11 @@ class Trainer:
         self.faults.attach(self.net)
 
     # ----------------------------------------------------------------------------- one batch
-    def loss_on(self, batch, layout: Layout = None) -> torch.Tensor:
+    def loss_on(self, batch, layout: Layout = WEIGHTED_ROWS) -> torch.Tensor:
         """The batch's loss: its rows (batch_rows: the distinct groups, or one row per cell, as
-        `layout` says; None = the distinct groups weighted by batch.counts), the network, each
-        cell's prediction (its control cell + the change), GEARS's loss (gears_loss, given
-        every loss field of the model config)."""
+        `layout` says; WEIGHTED_ROWS = the distinct groups weighted by batch.counts), the
+        network, each cell's prediction (its control cell + the change), GEARS's loss
+        (gears_loss, given every loss field of the model config)."""
         rows = batch_rows(batch, layout, self.covariates, self.reads_x, pad=self.cfg.compile)
         with self.autocast(), compiled_backward_as_eager(self.cfg.compile):
             out = self.model(rows.inputs)
