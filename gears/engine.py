@@ -501,7 +501,7 @@ class Trainer:
         """The batch's loss: its rows (batch_rows: the distinct groups, or one row per cell, as
         `layout` says; WEIGHTED_ROWS = the distinct groups weighted by batch.counts), the
         network, each cell's prediction (its control cell + the change), GEARS's loss
-        (gears_loss, given every loss field of the model config)."""
+        (gears_loss, given the model config's loss parameters)."""
         rows = batch_rows(batch, layout, self.covariates, self.reads_x, pad=self.cfg.compile)
         with self.autocast(), compiled_backward_as_eager(self.cfg.compile):
             out = self.model(rows.inputs)
@@ -512,10 +512,11 @@ class Trainer:
         return self.cell_loss(batch, change, logvar)
 
     def cell_loss(self, batch, change, logvar, n_groups=None) -> torch.Tensor:
-        """GEARS's loss (gears_loss, given every loss field of the model config) of each cell's
+        """GEARS's loss (gears_loss, given the model config's loss parameters) of each cell's
         prediction: its control cell + its change [cells, G] (logvar: the uncertainty head's,
         or None). n_groups: the batch's group count as a device number (the planned step's
         padded batches), None: counted from batch.inverse."""
+        m = self.model_cfg
         return gears_loss(
             predicted_expression(change, batch.x),
             batch.y,
@@ -525,7 +526,10 @@ class Trainer:
             self.ctrl_mean,
             logvar=None if logvar is None else logvar.float(),
             n_groups=n_groups,
-            **self.model_cfg.loss_params(),
+            gamma=m.gamma,
+            direction_lambda=m.direction_lambda,
+            direction_temperature=m.direction_temperature,
+            uncertainty_reg=m.uncertainty_reg,
         )
 
     def autocast(self):
