@@ -175,13 +175,15 @@ def configuration(pert_data, net0, args, device, precision, compiled, batching, 
 
 
 def _layout_name(layout) -> str:
-    from gears.engine import CELL_ROWS, RepeatRows
+    from gears.engine import CellRows, EqualRows, RepeatRows, WeightedRows
 
-    if layout is None:
-        return "weighted"
-    if isinstance(layout, RepeatRows):
-        return "repeat"
-    return "cells" if layout == CELL_ROWS else "uniform"
+    names = {
+        WeightedRows: "weighted",
+        RepeatRows: "repeat",
+        CellRows: "cells",
+        EqualRows: "uniform",
+    }
+    return names[type(layout)]
 
 
 def main(args) -> dict:

@@ -828,15 +828,15 @@ def cuda_sync_warnings(caught) -> list[str]:
 
 
 def row_layout_name(layout) -> str:
-    from gears.engine import CELL_ROWS, RepeatRows
+    from gears.engine import CellRows, EqualRows, RepeatRows, WeightedRows
 
-    if layout is None:
-        return "weighted rows"
-    if isinstance(layout, RepeatRows):
-        return "repeated rows"
-    if layout == CELL_ROWS:
-        return "per-cell rows"
-    return "equal counts"
+    names = {
+        WeightedRows: "weighted rows",
+        RepeatRows: "repeated rows",
+        CellRows: "per-cell rows",
+        EqualRows: "equal counts",
+    }
+    return names[type(layout)]
 
 
 def child_no_sync(spec: dict) -> dict:

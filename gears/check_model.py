@@ -39,15 +39,18 @@ from torch import nn
 
 from gears.config import Config, TrainConfig
 from gears.distributed import DistEnv
-from gears.engine import CELL_ROWS, RepeatRows, Trainer, seed_everything
-from gears.model import NETWORKS, GEARSNet, is_class_spec
-from gears.model.batch import (
-    ModelBatch,
-    declared_covariates,
-    predicted_expression,
-    reads_x,
-    split_output,
+from gears.engine import (
+    CELL_ROWS,
+    WEIGHTED_ROWS,
+    CellRows,
+    RepeatRows,
+    Trainer,
+    WeightedRows,
+    seed_everything,
 )
+from gears.model import NETWORKS, GEARSNet, is_class_spec
+from gears.model.batch import ModelBatch, predicted_expression, split_output
+from gears.model.contract import declared_covariates, per_cell_rows, reads_x
 from gears.model.rows import batch_rows, cell_outputs, row_layout
 from gears.torch_compat import is_batch_norm
 
@@ -224,7 +227,7 @@ def _row_group(batch, layout) -> torch.Tensor:
     U = batch.uniq_pert_index.shape[0]
     if isinstance(layout, RepeatRows):
         return torch.arange(U).repeat_interleave(layout.repeats)
-    if layout == CELL_ROWS:
+    if isinstance(layout, CellRows):
         return batch.inverse
     return torch.arange(U)
 
@@ -270,7 +273,7 @@ def check_model(cfg: Config, pert_data=None, batches: int = 2, tol: float = TOLE
         ref = NETWORKS["reference"](
             model_cfg, pert_data.n_genes, len(api.pert_list), go, go_w, co, co_w
         )
-    elif getattr(configured.model, "per_cell_rows", False):
+    elif per_cell_rows(configured.model):
         ref = configured.model  # the reference, or a fork of it
     else:
         report.skipped = f"{type(configured.model).__name__} does not take one row per cell"
@@ -311,8 +314,8 @@ def check_model(cfg: Config, pert_data=None, batches: int = 2, tol: float = TOLE
         for i, batch in enumerate(loaders["train_loader"]):
             if i == batches:
                 break
-            engine = trainers[0].row_layout(batch.counts)  # and the weighted layout (None)
-            layouts = [engine] if engine is None else [engine, None]
+            engine = trainers[0].row_layout(batch.counts)  # and the weighted layout
+            layouts = [engine] if isinstance(engine, WeightedRows) else [engine, WEIGHTED_ROWS]
             runs += [
                 (f"{batching} batch {i}, rows {layout!r}", batch, layout) for layout in layouts
             ]
@@ -465,7 +468,7 @@ def _dedup_problem(
     """The batch's distinct rows, weighted by their cells, against one row per cell, from the
     same weights and statistics: each cell's prediction and every parameter's gradient."""
     results = []
-    for layout in (None, CELL_ROWS):
+    for layout in (WEIGHTED_ROWS, CELL_ROWS):
         probe = set_mode(copy.deepcopy(net), mode == "train", how)
         trainer = Trainer(probe, pert_data, TrainConfig(), cfg.model, DistEnv())
         rows = batch_rows(batch, layout, names, False)
@@ -491,7 +494,7 @@ def _dedup_problem(
 
 def _run(fast, ref, trainers, records, batch, layout, where, report, n_perts) -> None:
     train = layout != "eval"
-    layout = None if layout == "eval" else layout
+    layout = WEIGHTED_ROWS if layout == "eval" else layout
     for net, trainer in zip((fast, ref), trainers):
         set_mode(net, train, report.randomness)
         net.zero_grad(set_to_none=True)

@@ -73,27 +73,24 @@ class SplitConfig:
 # A ModelConfig field whose value changes the weights' shapes (or which weights exist): saved
 # models and checkpoints record it, and one trained with another value is refused by name.
 SHAPES = {"shapes": True}
-# A ModelConfig field that is a parameter of the loss: Trainer.loss_on passes every such field
-# to gears_loss (gears/model/losses.py) by its name.
-LOSS = {"loss": True}
 
 
 @dataclass
 class ModelConfig:
     """GEARS's hyperparameters: the config file's `model:` section, passed whole to the network
-    (gears/model/network.py) and the loss (gears_loss, given every field marked metadata=LOSS).
-    A new hyperparameter is one field here (marked `metadata=SHAPES` if it changes the
-    weights, `metadata=LOSS` if gears_loss takes it); config.json and checkpoints record it by
-    themselves."""
+    (gears/model/network.py); the loss's four (uncertainty_reg ... gamma) are passed by name to
+    gears_loss in Trainer.cell_loss (gears/engine.py). A new hyperparameter is one field here
+    (marked `metadata=SHAPES` if it changes the weights; a loss parameter also passed in
+    Trainer.cell_loss); config.json and checkpoints record it by themselves."""
 
     hidden_size: int = field(default=64, metadata=SHAPES)
     num_go_gnn_layers: int = field(default=1, metadata=SHAPES)
     num_gene_gnn_layers: int = field(default=1, metadata=SHAPES)
     uncertainty: bool = field(default=False, metadata=SHAPES)  # GEARS's log-variance head
-    uncertainty_reg: float = field(default=1.0, metadata=LOSS)
-    direction_lambda: float = field(default=0.1, metadata=LOSS)
-    direction_temperature: float = field(default=0.1, metadata=LOSS)
-    gamma: float = field(default=2.0, metadata=LOSS)
+    uncertainty_reg: float = 1.0
+    direction_lambda: float = 0.1
+    direction_temperature: float = 0.1
+    gamma: float = 2.0
     # Which network computes GEARS: fast (gears/model/network.py: one row per distinct
     # perturbation, fused kernels) or reference (gears/model/reference.py: one row per cell,
     # plain PyTorch, several times slower), same weights; or a fork's network class,
@@ -103,10 +100,6 @@ class ModelConfig:
     # declares in `options` (gears.model.network_options); others are refused, naming them.
     # Saved models record the resolved values, defaults included.
     extra: dict = field(default_factory=dict)
-
-    def loss_params(self) -> dict:
-        """The fields marked metadata=LOSS, as gears_loss's keyword arguments."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.metadata.get("loss")}
 
     def shape_fields(self) -> dict:
         """{"model.<name>": value} of the fields that change the weights: what a saved model or

@@ -17,6 +17,7 @@ import numpy as np
 
 from gears import checkpoint as ckpt
 from gears.errors import GearsInputError
+from gears.model.contract import declared_covariates
 
 SUMMARY_FILE = "contexts.json"  # context -> its run folder and model, for predict.py
 SUMMARY_METRICS = ("mse", "mse_de", "pearson_delta", "pearson_delta_de")
@@ -24,7 +25,7 @@ SUMMARY_METRICS = ("mse", "mse_de", "pearson_delta", "pearson_delta_de")
 
 def reads_context(network_class) -> bool:
     """Whether a network reads each cell's context (and so trains across contexts)."""
-    return "context" in tuple(getattr(network_class, "covariates", ()))
+    return "context" in declared_covariates(network_class)
 
 
 def one_model_per_context(cfg) -> bool:

@@ -30,13 +30,25 @@ from gears.distributed import (
 from gears.errors import GearsInputError, NonFiniteLossError
 from gears.evaluate import EVAL_CHUNK, Evaluator
 from gears.faults import FaultPlan
-from gears.model import graph_buffer_names
-from gears.model.batch import check_output, declared_covariates, predicted_expression, reads_x
+from gears.model.batch import check_output, predicted_expression
+from gears.model.contract import (
+    declared_covariates,
+    fixed_shape_graphs,
+    graph_buffer_names,
+    one_row_per_cell,
+    reads_x,
+    set_sync_batchnorm,
+    syncs_batchnorm,
+)
 from gears.model.losses import gears_loss
-from gears.model.rows import (  # noqa: F401 (CELL_ROWS, RepeatRows: the layouts, re-exported)
+from gears.model.rows import (  # noqa: F401 (the layouts, re-exported)
     CELL_ROWS,
+    WEIGHTED_ROWS,
+    CellRows,
+    EqualRows,
     Layout,
     RepeatRows,
+    WeightedRows,
     batch_rows,
     cell_outputs,
     row_layout,
@@ -266,12 +278,12 @@ def check_network(
     """Refuse, by name, what the network class cannot run (gears.config.check_impl does the
     same for model.impl=reference when the config is read)."""
     name = type(net).__name__
-    if train_cfg.compile and (reads_x(net) or getattr(net, "per_cell_rows", False)):
+    if train_cfg.compile and one_row_per_cell(net):
         raise GearsInputError(
             f"train.compile=true needs rows of distinct perturbations; {name} takes one row per "
             "cell (data-dependent shapes recompile per batch): drop train.compile"
         )
-    if dist_cfg.sync_batchnorm and not hasattr(net, "set_sync_batchnorm"):
+    if dist_cfg.sync_batchnorm and not syncs_batchnorm(net):
         raise GearsInputError(
             f"distributed.sync_batchnorm=true needs a network with set_sync_batchnorm (the fast "
             f"GEARSNet's weighted batch-norms); {name} has none: drop distributed.sync_batchnorm"
@@ -290,9 +302,7 @@ def wrap_for_training(
     train.compile (rows padded to a few sizes by batch_rows)."""
     model = net
     if env.distributed and ddp is not False:
-        set_sync = getattr(net, "set_sync_batchnorm", None)  # (the fast network's)
-        if set_sync is not None:
-            set_sync(dist_cfg.sync_batchnorm)
+        set_sync_batchnorm(net, dist_cfg.sync_batchnorm)  # (the fast network's)
         # The graphs are built identically on every rank: DDP's default would broadcast them
         # (MBs at genome scale) from rank 0 before every forward.
         ddp_ignore(net, graph_buffer_names(net))
@@ -464,7 +474,7 @@ class Trainer:
         self.params = [p for p in self.net.parameters() if p.requires_grad]  # for clipping
         # What the network reads (its class's declarations): the rows it is given.
         self.reads_x, self.covariates = reads_x(self.net), declared_covariates(self.net)
-        self.per_cell = self.reads_x or bool(getattr(self.net, "per_cell_rows", False))
+        self.per_cell = one_row_per_cell(self.net)
         self.gene_mask = to_device(torch.as_tensor(pert_data.non_zero_mask), self.device)
         self.ctrl_mean = to_device(
             torch.as_tensor(pert_data.ctrl_mean, dtype=torch.float32), self.device
@@ -487,11 +497,11 @@ class Trainer:
         self.faults.attach(self.net)
 
     # ----------------------------------------------------------------------------- one batch
-    def loss_on(self, batch, layout: Layout = None) -> torch.Tensor:
+    def loss_on(self, batch, layout: Layout = WEIGHTED_ROWS) -> torch.Tensor:
         """The batch's loss: its rows (batch_rows: the distinct groups, or one row per cell, as
-        `layout` says; None = the distinct groups weighted by batch.counts), the network, each
-        cell's prediction (its control cell + the change), GEARS's loss (gears_loss, given
-        every loss field of the model config)."""
+        `layout` says; WEIGHTED_ROWS = the distinct groups weighted by batch.counts), the
+        network, each cell's prediction (its control cell + the change), GEARS's loss
+        (gears_loss, given the model config's loss parameters)."""
         rows = batch_rows(batch, layout, self.covariates, self.reads_x, pad=self.cfg.compile)
         with self.autocast(), compiled_backward_as_eager(self.cfg.compile):
             out = self.model(rows.inputs)
@@ -502,10 +512,11 @@ class Trainer:
         return self.cell_loss(batch, change, logvar)
 
     def cell_loss(self, batch, change, logvar, n_groups=None) -> torch.Tensor:
-        """GEARS's loss (gears_loss, given every loss field of the model config) of each cell's
+        """GEARS's loss (gears_loss, given the model config's loss parameters) of each cell's
         prediction: its control cell + its change [cells, G] (logvar: the uncertainty head's,
         or None). n_groups: the batch's group count as a device number (the planned step's
         padded batches), None: counted from batch.inverse."""
+        m = self.model_cfg
         return gears_loss(
             predicted_expression(change, batch.x),
             batch.y,
@@ -515,7 +526,10 @@ class Trainer:
             self.ctrl_mean,
             logvar=None if logvar is None else logvar.float(),
             n_groups=n_groups,
-            **self.model_cfg.loss_params(),
+            gamma=m.gamma,
+            direction_lambda=m.direction_lambda,
+            direction_temperature=m.direction_temperature,
+            uncertainty_reg=m.uncertainty_reg,
         )
 
     def autocast(self):
@@ -613,9 +627,7 @@ class Trainer:
             if self.env.is_main:
                 print(f"train.cuda_graphs: {why}; training with eager steps", flush=True)
             return None
-        fixed_shape = getattr(self.net, "fixed_shape_graphs", None)
-        if fixed_shape is not None:
-            fixed_shape()  # graph propagation without a sparse tensor built per call
+        fixed_shape_graphs(self.net)  # graph propagation without a sparse tensor built per call
         self.runner = StepRunner(self, plan, capture=self.device.type == "cuda")
         # The validation and test forwards replayed the same way (evaluate.predict_deltas).
         self.evaluator.forward_runner = ForwardRunner(

@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from gears.device import to_device, to_host
 from gears.model.batch import ModelBatch, split_output
+from gears.model.contract import fixed_shape_graphs, graph_buffer_names
 from gears.model.kernels import gather_rows
 from gears.torch_compat import compiled_backward_config
 
@@ -237,8 +238,6 @@ class StepRunner:
         self.flat_grads: list[torch.Tensor] = []
         self.synced_buffers: list[tuple[torch.Tensor, list, list]] = []
         if self.world > 1:
-            from gears.model import graph_buffer_names
-
             graphs = set(graph_buffer_names(self.net))
             buffers = [b for n, b in self.net.named_buffers() if n not in graphs]
             self.synced_buffers = packed_buffers(buffers)
@@ -411,7 +410,7 @@ class StepRunner:
     def state_tensors(self) -> list[torch.Tensor]:
         """Everything a step writes: parameters, gradients, optimizer state, buffers (not the
         fixed graphs), accumulators, the cursor."""
-        graphs = set(getattr(self.net, "graph_buffer_names", list)())
+        graphs = set(graph_buffer_names(self.net))
         out = [p.data for p in self.params]
         out += [p.grad for p in self.params if p.grad is not None]
         out += [v for s in self.opt.state.values() for v in s.values() if torch.is_tensor(v)]
@@ -609,9 +608,7 @@ class ForwardRunner:
         self.graphs: dict[tuple, object] = {}
         self.pool = None
         self.captured_storage: tuple[int, ...] = ()
-        fixed_shape = getattr(net, "fixed_shape_graphs", None)
-        if fixed_shape is not None:
-            fixed_shape()  # graph propagation without a sparse tensor built per call
+        fixed_shape_graphs(net)  # graph propagation without a sparse tensor built per call
 
     def run(self, pert_index: np.ndarray, x, covariates: dict[str, np.ndarray]):
         """One chunk of at most `rows` rows: pert_index [n, P], x [n, G] (tensor) or None,

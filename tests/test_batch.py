@@ -25,7 +25,7 @@ from gears.distributed import DistEnv
 from gears.engine import CELL_ROWS, Trainer, seed_everything
 from gears.errors import GearsInputError
 from gears.evaluate import EVAL_PAIRING_EPOCH, segment_mean
-from gears.model import network_class
+from gears.model import GEARSNet, network_class
 from gears.model.batch import ModelBatch, predicted_expression
 from gears.model.losses import gears_loss
 from gears.model.reference import GEARSReference
@@ -244,6 +244,27 @@ def test_model_impl_names_a_fork_class_or_is_refused_by_name(tmp_path):
     for impl, message in refusals.items():
         with pytest.raises(GearsInputError, match=message):
             network_class(impl)
+
+
+def test_the_contract_gives_defaults_to_a_network_that_declares_nothing():
+    """A plain nn.Module declares nothing: each accessor gives its default. The built-in
+    networks and the example forks are read through the same accessors."""
+    from gears.model import contract
+
+    bare = nn.Module()
+    bare.register_buffer("go_edge_index", torch.zeros(2, 1))
+    bare.register_buffer("running_mean", torch.zeros(1))
+    assert not contract.reads_x(bare) and contract.declared_covariates(bare) == ()
+    assert not contract.per_cell_rows(bare) and not contract.one_row_per_cell(bare)
+    assert contract.declared_options(bare) == {} and not contract.syncs_batchnorm(bare)
+    assert contract.graph_buffer_names(bare) == ["go_edge_index"]
+    contract.set_sync_batchnorm(bare, True)  # (no effect, no error)
+    contract.fixed_shape_graphs(bare)
+    only_x = type("OnlyX", (nn.Module,), {"reads_x": True})  # reads x, declares no layout
+    assert contract.one_row_per_cell(only_x) and contract.one_row_per_cell(GEARSReference)
+    assert not contract.per_cell_rows(GEARSNet) and contract.syncs_batchnorm(GEARSNet)
+    fork = network_class(FORK)
+    assert contract.declared_covariates(fork) == ("context",) and not contract.reads_x(fork)
 
 
 def test_predicted_expression_is_the_control_cell_plus_the_change():

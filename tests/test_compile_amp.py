@@ -29,7 +29,7 @@ from helpers import tiny_split
 from gears.api import GEARS
 from gears.config import TrainConfig
 from gears.distributed import DistEnv
-from gears.engine import CELL_ROWS, RepeatRows, Trainer, seed_everything
+from gears.engine import CELL_ROWS, EqualRows, RepeatRows, Trainer, WeightedRows, seed_everything
 from gears.model.kernels import WeightedBatchNorm1d
 from tests.test_network import _biases_cancelled_by_bn
 
@@ -86,12 +86,12 @@ BATCHES = {
     # counts 2, 2, 4, 2, ...: 13 uniform rows of 2 cells (native batch-norm when eager).
     "repeat-rows": ([2, 2, 4] + [2] * 9, RepeatRows),
     # 12 conditions x 2 cells: one count for every row (native batch-norm when eager).
-    "uniform": ([2] * 12, float),
+    "uniform": ([2] * 12, EqualRows),
     # a grouped batch with uneven blocks 4, 4, 4, 2, ...: the [U*G, H] batch-norms take
     # _BlockWeightedBatchNormFn, the [U, H] ones _WeightedBatchNormFn.
-    "grouped-blocks": ([4, 4, 4] + [2] * 7, None),
+    "grouped-blocks": ([4, 4, 4] + [2] * 7, WeightedRows),
     # a random batch, uneven counts: the same weighted paths.
-    "uneven": ([1, 5, 3, 1, 2, 1, 4, 1, 1, 2, 1], None),
+    "uneven": ([1, 5, 3, 1, 2, 1, 4, 1, 1, 2, 1], WeightedRows),
 }
 
 

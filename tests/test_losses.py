@@ -202,3 +202,39 @@ def test_analytic_gradient_equals_autograd_of_the_expression(gamma, lam, tempera
     expected.backward()
     torch.testing.assert_close(loss, expected.detach(), rtol=1e-6, atol=0)
     torch.testing.assert_close(p1.grad, p2.grad, rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("gamma", 1.5),
+        ("direction_lambda", 0.7),
+        ("direction_temperature", 0.5),
+        ("uncertainty_reg", 0.3),
+    ],
+)
+def test_the_trainer_passes_each_loss_parameter_of_the_model_config(name, value):
+    """Trainer.cell_loss gives gears_loss every loss field of ModelConfig by name: a changed
+    value reaches the loss (the uncertainty head's logvar given, so uncertainty_reg counts)."""
+    from types import SimpleNamespace
+
+    from gears.config import ModelConfig
+    from gears.engine import Trainer
+
+    pred, y, ctrl = _data(3)
+    change = pred - torch.zeros(4, dtype=torch.float64)
+    logvar = torch.full((3, 4), 0.2, dtype=torch.float64)
+    batch = SimpleNamespace(
+        x=torch.zeros(3, 4, dtype=torch.float64),
+        y=y,
+        inverse=INVERSE,
+        counts=COUNTS,
+        uniq_cond=torch.tensor([0, 1]),
+    )
+    cfg = ModelConfig(**{name: value})
+    trainer = SimpleNamespace(model_cfg=cfg, gene_mask=MASK, ctrl_mean=ctrl)
+    got = Trainer.cell_loss(trainer, batch, change, logvar)
+    want = gears_loss(pred, y, INVERSE, COUNTS, MASK, ctrl, logvar=logvar, **{name: value})
+    default = gears_loss(pred, y, INVERSE, COUNTS, MASK, ctrl, logvar=logvar)
+    assert got.item() == pytest.approx(want.item(), rel=1e-12)
+    assert got.item() != pytest.approx(default.item(), rel=1e-6)

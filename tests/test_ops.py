@@ -15,7 +15,14 @@ from gears.config import TrainConfig
 from gears.data.loaders import Batch
 from gears.data.pertdata import PertData
 from gears.distributed import DistEnv
-from gears.engine import CELL_ROWS, RepeatRows, Trainer, seed_everything
+from gears.engine import (
+    CellRows,
+    EqualRows,
+    RepeatRows,
+    Trainer,
+    WeightedRows,
+    seed_everything,
+)
 from gears.model.batch import ModelBatch
 from gears.model.kernels import WeightedBatchNorm1d, _BlockWeightedBatchNormFn
 from gears.opcount import (
@@ -129,11 +136,13 @@ def test_step_ops_do_not_grow_with_distinct_perturbations(tiny, layout):
 
 
 def _kind(layout) -> str:
-    if layout is None:
-        return "weighted"
-    if isinstance(layout, RepeatRows):
-        return "repeat"
-    return "cells" if layout == CELL_ROWS else "uniform"
+    kinds = {
+        WeightedRows: "weighted",
+        RepeatRows: "repeat",
+        CellRows: "cells",
+        EqualRows: "uniform",
+    }
+    return kinds[type(layout)]
 
 
 def _weighted_bn_ops(blocks: int, dtype: torch.dtype, per_block=None) -> int:

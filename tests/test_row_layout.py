@@ -14,9 +14,16 @@ from gears.api import GEARS
 from gears.config import TrainConfig
 from gears.data.pertdata import PertData
 from gears.distributed import DistEnv
-from gears.engine import CELL_ROWS, RepeatRows, Trainer, seed_everything
+from gears.engine import (
+    CELL_ROWS,
+    WEIGHTED_ROWS,
+    EqualRows,
+    RepeatRows,
+    Trainer,
+    seed_everything,
+)
 from gears.model.batch import ModelBatch
-from gears.model.rows import pad_rows, row_bucket, use_cell_rows
+from gears.model.rows import pad_rows, row_bucket, row_layout, use_cell_rows
 from tests.test_network import _biases_cancelled_by_bn
 
 
@@ -73,6 +80,22 @@ def _assert_same(a, b, cancelled: set[str], rtol: float = 1e-4) -> None:
         torch.testing.assert_close(bufs_a[name], bufs_b[name], rtol=rtol, atol=1e-7, msg=name)
 
 
+def test_layouts_are_a_tagged_type_and_the_older_spellings_still_read():
+    """A layout is one of four frozen classes (code dispatches on its type); None, a number and
+    "cells", the spellings the engine once used, read as the layouts they meant."""
+    from gears.model.rows import Layout, as_layout
+
+    assert as_layout(None) == WEIGHTED_ROWS and as_layout("cells") == CELL_ROWS
+    assert as_layout(4) == EqualRows(4.0) and as_layout(2.0) == EqualRows(2.0)
+    assert as_layout(CELL_ROWS) is CELL_ROWS
+    repeat = row_layout(torch.tensor([8.0, 4.0, 4.0, 4.0]))
+    assert as_layout(repeat) is repeat
+    for counts in ([4.0, 4.0], [8.0, 4.0, 4.0, 4.0], [2.0] + [1.0] * 13, [5.0, 3.0, 1.0]):
+        assert isinstance(row_layout(torch.tensor(counts)), Layout)
+    with pytest.raises(TypeError, match="not a row layout"):
+        as_layout("rows")
+
+
 def test_row_layout_rule():
     assert use_cell_rows(26, 32) and not use_cell_rows(24, 32) and not use_cell_rows(8, 32)
     assert [row_bucket(n) for n in (1, 7, 8, 9, 16, 17, 26, 33)] == [8, 8, 8, 16, 16, 32, 32, 64]
@@ -80,11 +103,13 @@ def test_row_layout_rule():
 
 def test_engine_picks_layout_from_host_counts(tiny):
     trainer = _trainer(tiny)
-    assert trainer.row_layout(torch.tensor([4.0, 4.0, 4.0])) == 4.0  # uniform: native kernel
+    assert trainer.row_layout(torch.tensor([4.0, 4.0, 4.0])) == EqualRows(
+        4.0
+    )  # uniform: native kernel
     assert trainer.row_layout(torch.tensor([2.0] + [1.0] * 13)) == CELL_ROWS  # 14 rows, 15 cells
-    assert trainer.row_layout(torch.tensor([5.0, 3.0, 1.0])) is None  # 3 rows for 9 cells
+    assert trainer.row_layout(torch.tensor([5.0, 3.0, 1.0])) == WEIGHTED_ROWS  # 3 rows for 9 cells
     compiled = _trainer(tiny, compile=True)
-    assert compiled.row_layout(torch.tensor([2.0] + [1.0] * 13)) is None  # padded instead
+    assert compiled.row_layout(torch.tensor([2.0] + [1.0] * 13)) == WEIGHTED_ROWS  # padded instead
 
 
 def test_engine_repeats_rows_when_counts_share_a_divisor(tiny):
@@ -92,10 +117,10 @@ def test_engine_repeats_rows_when_counts_share_a_divisor(tiny):
     layout = trainer.row_layout(torch.tensor([8.0, 4.0, 4.0, 4.0]))  # 5 rows of 4 cells
     assert isinstance(layout, RepeatRows) and layout.count == 4.0
     assert layout.repeats.tolist() == [2, 1, 1, 1]
-    assert trainer.row_layout(torch.tensor([12.0, 4.0, 4.0])) is None  # 5 rows > 3 + 1
-    assert trainer.row_layout(torch.tensor([8.0, 4.0, 4.0, 1.0])) is None  # divisor 1
+    assert trainer.row_layout(torch.tensor([12.0, 4.0, 4.0])) == WEIGHTED_ROWS  # 5 rows > 3 + 1
+    assert trainer.row_layout(torch.tensor([8.0, 4.0, 4.0, 1.0])) == WEIGHTED_ROWS  # divisor 1
     compiled = _trainer(tiny, compile=True)
-    assert compiled.row_layout(torch.tensor([8.0, 4.0, 4.0, 4.0])) is None
+    assert compiled.row_layout(torch.tensor([8.0, 4.0, 4.0, 4.0])) == WEIGHTED_ROWS
 
 
 def test_repeated_rows_equal_deduplicated_rows(tiny):

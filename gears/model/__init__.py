@@ -17,6 +17,7 @@ from pathlib import Path, PurePath
 from torch import nn
 
 from gears.errors import GearsInputError
+from gears.model.contract import declared_options, graph_buffer_names  # noqa: F401 (re-exported)
 from gears.model.network import GEARSNet
 from gears.model.reference import GEARSReference
 
@@ -26,14 +27,6 @@ NETWORKS = {"fast": GEARSNet, "reference": GEARSReference}
 BUILTIN_PACKAGE = "gears.model"
 TRUST_FLAGS = "--trust-model-code (predict.py) or trust_code=True (GEARS.load_pretrained)"
 _FILE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\.py")
-
-
-def graph_buffer_names(net: nn.Module) -> list[str]:
-    """The network's fixed graph buffers (identical on every rank, never to be broadcast)."""
-    names = getattr(net, "graph_buffer_names", None)
-    if callable(names):
-        return list(names())
-    return [n for n, _ in net.named_buffers() if "edge" in n.rsplit(".", 1)[-1]]
 
 
 def is_class_spec(impl: str) -> bool:
@@ -92,7 +85,7 @@ def network_options(network: type, extra: dict, impl: str) -> dict:
     naming the options the network accepts."""
     from gears.config import _coerce
 
-    declared = dict(getattr(network, "options", None) or {})
+    declared = declared_options(network)
     unknown = sorted(set(extra) - set(declared))
     if unknown:
         accepted = ", ".join(f"{k} (default {v!r})" for k, v in declared.items()) or "none"

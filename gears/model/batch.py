@@ -3,14 +3,11 @@ predicted change meets its control cell.
 
 A network is called `net(batch: ModelBatch)` and returns the predicted change of each row's
 cells from their control cell, `[R, G]` (or `(change, logvar)` with the uncertainty head). It
-declares what its output depends on with two class attributes:
-
-    reads_x: bool = False            # the control cell x (then one row per cell)
-    covariates: tuple[str, ...] = ()  # named per-cell codes, e.g. ("context",)
-
-and receives exactly that: `x` is None unless it reads x, and `covariates` holds the declared
-names only. Whatever it does not read, the engine, the evaluator and predict deduplicate over:
-GEARS reads neither, so it computes each distinct perturbation once.
+declares what its output depends on (reads_x, covariates: gears/model/contract.py lists every
+declaration and its default) and receives exactly that: `x` is None unless it reads x, and
+`covariates` holds the declared names only. Whatever it does not read, the engine, the
+evaluator and predict deduplicate over: GEARS reads neither, so it computes each distinct
+perturbation once.
 """
 
 from __future__ import annotations
@@ -21,6 +18,7 @@ import numpy as np
 import torch
 
 from gears.errors import GearsInputError
+from gears.model.contract import declared_covariates, reads_x  # noqa: F401 (their old home)
 
 
 @dataclass
@@ -48,16 +46,6 @@ class ModelBatch:
 
     def __len__(self) -> int:
         return self.pert_index.shape[0]
-
-
-def reads_x(net: torch.nn.Module) -> bool:
-    """Whether the network's output depends on the control cell x (its class says so)."""
-    return bool(getattr(net, "reads_x", False))
-
-
-def declared_covariates(net: torch.nn.Module) -> tuple[str, ...]:
-    """The covariate names the network reads (its class's `covariates`), in declared order."""
-    return tuple(getattr(net, "covariates", ()) or ())
 
 
 def split_output(out) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -3,15 +3,15 @@ function that lays a batch out (`batch_rows`: the rows, and the map back to cell
 
 A batch's distinct groups (a perturbation, with the values of the covariates the network reads)
 are computed once, each row weighted by its cells, unless the network reads the control cell x
-(or asks for per-cell rows): then one row per cell. Four layouts give the same cell outputs:
-one count for every row, `RepeatRows`, `CELL_ROWS` and the weighted rows; under torch.compile
-rows are padded to a few sizes (`pad_rows`).
+(or asks for per-cell rows): then one row per cell. Four layouts, a small tagged type
+(`Layout`), give the same cell outputs: `EqualRows` (one count for every row), `RepeatRows`,
+`CELL_ROWS` and `WEIGHTED_ROWS`; under torch.compile rows are padded to a few sizes
+(`pad_rows`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -28,11 +28,21 @@ from gears.model.kernels import gather_rows
 # rows exceed this fraction of the cells.
 CELL_ROWS_ABOVE_FRACTION = 0.75
 
-# The layout of one row per cell (instead of one per distinct group).
-CELL_ROWS = "cells"
+
+@dataclass(frozen=True)
+class WeightedRows:
+    """Layout: the distinct rows, each weighted by its cells (batch.counts)."""
 
 
-class RepeatRows(NamedTuple):
+@dataclass(frozen=True)
+class EqualRows:
+    """Layout: the distinct rows, every one standing for `count` cells (native batch-norm)."""
+
+    count: float
+
+
+@dataclass(frozen=True, eq=False)
+class RepeatRows:
     """Layout: distinct row u repeated repeats[u] times, every row standing for `count` cells
     (counts [8, 4, 4] -> 4 rows of 4 cells): uniform rows take the native batch-norm kernel.
     Exact: copies of a row have equal outputs, each cell reads its first copy, and the gradient
@@ -43,9 +53,27 @@ class RepeatRows(NamedTuple):
     rows: int  # sum(repeats), read on the host by row_layout (the step then reads nothing)
 
 
-# A layout: one count for every distinct row (float), RepeatRows, CELL_ROWS, or None (the
-# distinct rows weighted by batch.counts).
-Layout = float | RepeatRows | str | None
+@dataclass(frozen=True)
+class CellRows:
+    """Layout: one row per cell (instead of one per distinct group), each standing for 1."""
+
+
+WEIGHTED_ROWS, CELL_ROWS = WeightedRows(), CellRows()
+Layout = WeightedRows | EqualRows | RepeatRows | CellRows
+
+
+def as_layout(layout) -> Layout:
+    """A Layout, also from the spellings the engine once used: None (weighted rows), a number
+    (one count for every row) and "cells" (one row per cell)."""
+    if layout is None:
+        return WEIGHTED_ROWS
+    if isinstance(layout, Layout):
+        return layout
+    if layout == "cells":
+        return CELL_ROWS
+    if isinstance(layout, int | float):
+        return EqualRows(float(layout))
+    raise TypeError(f"not a row layout: {layout!r}")
 
 
 @dataclass
@@ -72,44 +100,46 @@ def use_cell_rows(n_distinct: int, n_cells: int) -> bool:
 def row_layout(counts: torch.Tensor, per_cell: bool = False, compiled: bool = False) -> Layout:
     """The layout of a batch whose distinct groups have these host counts [U].
 
-    per_cell (a network that reads x or asks for per-cell rows): CELL_ROWS. Else the common
-    count when all are equal (native batch-norm); unless compiled (padded distinct rows keep
-    the compiled shapes few): RepeatRows when the counts share a divisor g > 1 that makes at
-    most one more row (grouped batches: [8, 4, 4, ...] -> uniform rows of 4; the weighted path
-    costs more than one row), CELL_ROWS when deduplication removes few rows; else None
-    (weighted)."""
+    per_cell (a network that reads x or asks for per-cell rows): CELL_ROWS. Else EqualRows of
+    the common count when all are equal (native batch-norm); unless compiled (padded distinct
+    rows keep the compiled shapes few): RepeatRows when the counts share a divisor g > 1 that
+    makes at most one more row (grouped batches: [8, 4, 4, ...] -> uniform rows of 4; the
+    weighted path costs more than one row), CELL_ROWS when deduplication removes few rows;
+    else WEIGHTED_ROWS."""
     if per_cell:
         return CELL_ROWS
     if bool((counts == counts[0]).all()):
-        return float(counts[0])
+        return EqualRows(float(counts[0]))
     if compiled:
-        return None
+        return WEIGHTED_ROWS
     whole = counts.long()
     g = int(np.gcd.reduce(whole.numpy())) if bool((whole == counts).all()) else 1
     if g > 1 and int(whole.sum()) // g <= counts.shape[0] + 1:
         return RepeatRows(float(g), whole // g, int(whole.sum()) // g)
     if use_cell_rows(counts.shape[0], int(counts.sum())):
         return CELL_ROWS
-    return None
+    return WEIGHTED_ROWS
 
 
 def batch_rows(
     batch,
-    layout: Layout = None,
+    layout: Layout = WEIGHTED_ROWS,
     covariates: tuple[str, ...] = (),
     reads_x: bool = False,
     pad: bool = False,
 ) -> Rows:
     """Lay a training batch (gears.data.loaders.Batch) out as the network's rows.
 
-    layout: from row_layout (a network that reads x must take CELL_ROWS). covariates: the
-    names the network reads (only these reach it). reads_x: give it the control cells.
-    pad: pad the rows to row_bucket's sizes for torch.compile."""
+    layout: from row_layout (a network that reads x must take CELL_ROWS; as_layout's older
+    spellings are accepted). covariates: the names the network reads (only these reach it).
+    reads_x: give it the control cells. pad: pad the rows to row_bucket's sizes for
+    torch.compile."""
+    layout = as_layout(layout)
     rows, to_cells = batch.uniq_pert_index, batch.inverse
     codes = _declared_codes(batch, covariates)
-    if reads_x and layout != CELL_ROWS:
+    if reads_x and not isinstance(layout, CellRows):
         raise ValueError("a network that reads x takes one row per cell (layout CELL_ROWS)")
-    if layout is None:
+    if isinstance(layout, WeightedRows):
         counts = batch.counts
     elif isinstance(layout, RepeatRows):
         repeats = layout.repeats.to(rows.device, non_blocking=True)
@@ -118,15 +148,15 @@ def batch_rows(
         codes = {k: c.repeat_interleave(repeats, 0, output_size=n_rows) for k, c in codes.items()}
         counts = layout.count
         to_cells = (torch.cumsum(repeats, 0) - repeats)[batch.inverse]  # first copies
-    elif layout == CELL_ROWS:
+    elif isinstance(layout, CellRows):
         rows, counts, to_cells = rows[batch.inverse], 1.0, None
         codes = {k: c[batch.inverse] for k, c in codes.items()}
-    else:
-        counts = layout
+    else:  # EqualRows
+        counts = layout.count
     # Weighted rows: the cell count is known on the host (len(batch) = sum(counts)), which
     # spares the batch-norms a device sum and their running update ~10 device ops (unpadded
     # only: a compiled graph would specialise on the number).
-    n_cells = float(len(batch)) if layout is None and not pad else None
+    n_cells = float(len(batch)) if isinstance(layout, WeightedRows) and not pad else None
     inputs = ModelBatch(rows, counts, batch.x if reads_x else None, codes, n_cells)
     if not pad:
         return Rows(inputs, to_cells)
