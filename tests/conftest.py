@@ -48,6 +48,20 @@ def _restore_torch_threads():
 
 
 @pytest.fixture(scope="session")
+def tiny_cli_run(tmp_path_factory) -> tuple[Path, str]:
+    """One uninterrupted train_single.py run with tests/helpers.py's run_train_cli defaults (the
+    TINY screen, hidden 16, 3 epochs, one thread): (its folder, its stdout). The runs that must
+    end where it ends (test_engine.py, test_faults.py) and the report tests (test_report.py)
+    only read it, so the session trains it once."""
+    from helpers import run_train_cli
+
+    tmp = tmp_path_factory.mktemp("tiny_cli_run")
+    done = run_train_cli(tmp / "run", tmp / "data", threads=1)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return tmp / "run", done.stdout
+
+
+@pytest.fixture(scope="session")
 def vcc_run(tmp_path_factory) -> dict:
     """A tiny model trained on a synthetic VCC-layout file (tests/vcc_helpers.py)."""
     from vcc_helpers import train_vcc_run

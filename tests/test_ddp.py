@@ -58,25 +58,36 @@ def _train(rank: int, world: int, data_dir: Path, sync_bn: bool, freeze_bn: bool
     }
 
 
-def _worker(rank: int, world: int, port: int, out: str, sync_bn: bool, freeze_bn: bool):
+# The batch-norm settings the tests compare, each trained by the same 2-rank world in turn.
+SETTINGS = {  # name: (distributed.sync_batchnorm, train.freeze_batchnorm)
+    "sync-batchnorm": (True, False),
+    "frozen-batchnorm": (False, True),
+    "unsynchronised": (False, False),
+}
+
+
+def _worker(rank: int, world: int, port: int, out: str):
     env = join_local_gloo(rank, world, port)
     try:
-        result = _train(rank, world, Path(out) / f"data{rank}", sync_bn, freeze_bn, env)
+        results = {
+            name: _train(rank, world, Path(out) / f"data{rank}", sync_bn, freeze_bn, env)
+            for name, (sync_bn, freeze_bn) in SETTINGS.items()
+        }
         if rank == 0:
             with open(Path(out) / "rank0.pkl", "wb") as f:
-                pickle.dump(result, f)
+                pickle.dump(results, f)
     finally:
         cleanup(env)
 
 
-def _run_world(tmp_path: Path, sync_bn: bool, freeze_bn: bool) -> dict:
-    mp.spawn(
-        _worker,
-        args=(WORLD, find_free_port(), str(tmp_path), sync_bn, freeze_bn),
-        nprocs=WORLD,
-        join=True,
-    )
-    with open(tmp_path / "rank0.pkl", "rb") as f:
+@pytest.fixture(scope="module")
+def dist_runs(tmp_path_factory) -> dict:
+    """Rank 0's result for each of SETTINGS: one mp.spawn of WORLD gloo ranks trains them one
+    after the other (each from a fresh build(), seeded, on freshly loaded data), so the
+    processes start and join their group once for the three tests."""
+    out = tmp_path_factory.mktemp("ddp")
+    mp.spawn(_worker, args=(WORLD, find_free_port(), str(out)), nprocs=WORLD, join=True)
+    with open(out / "rank0.pkl", "rb") as f:
         return pickle.load(f)
 
 
@@ -89,11 +100,11 @@ def _assert_same_state(a: dict, b: dict) -> None:
 @pytest.mark.parametrize(
     "sync_bn,freeze_bn", [(True, False), (False, True)], ids=["sync-batchnorm", "frozen-batchnorm"]
 )
-def test_two_ranks_equal_one_process_with_double_batch(tmp_path, sync_bn, freeze_bn):
+def test_two_ranks_equal_one_process_with_double_batch(tmp_path, dist_runs, sync_bn, freeze_bn):
     """With synchronised (or frozen) batch-norm, 2 gloo ranks with batch b reach the parameters
     of 1 process with batch 2b; predictions and metrics agree too."""
     torch.set_num_threads(1)
-    dist_run = _run_world(tmp_path / "ddp", sync_bn, freeze_bn)
+    dist_run = dist_runs["sync-batchnorm" if sync_bn else "frozen-batchnorm"]
     single = _train(0, 1, tmp_path / "single", sync_bn, freeze_bn, DistEnv())
     assert dist_run["steps"] == single["steps"] == 2
     _assert_same_state(dist_run["state"], single["state"])
@@ -102,11 +113,11 @@ def test_two_ranks_equal_one_process_with_double_batch(tmp_path, sync_bn, freeze
 
 
 @pytest.mark.slow
-def test_unsynchronised_batchnorm_differs(tmp_path):
+def test_unsynchronised_batchnorm_differs(tmp_path, dist_runs):
     """The equality above needs synchronised statistics: per-rank batch-norm statistics differ
     from the large batch's, and so do the weights (the test can fail)."""
     torch.set_num_threads(1)
-    dist_run = _run_world(tmp_path / "ddp", sync_bn=False, freeze_bn=False)
+    dist_run = dist_runs["unsynchronised"]
     single = _train(0, 1, tmp_path / "single", False, False, DistEnv())
     diffs = [
         (dist_run["state"][k].float() - single["state"][k].float()).abs().max().item()

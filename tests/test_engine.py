@@ -483,12 +483,11 @@ def _run_cli(out_dir: Path, data_dir: Path, *extra: str, env=None) -> subprocess
 
 
 @pytest.fixture(scope="module")
-def whole_run(tmp_path_factory) -> Path:
-    """One uninterrupted CLI run (3 epochs) that the fault and rerun tests compare against."""
-    tmp = tmp_path_factory.mktemp("whole_run")
-    whole = _run_cli(tmp / "whole", tmp / "data")
-    assert whole.returncode == 0, whole.stderr[-2000:]
-    return tmp / "whole"
+def whole_run(tiny_cli_run) -> Path:
+    """One uninterrupted CLI run (3 epochs, as _run_cli) that the fault and rerun tests compare
+    against: the session's tiny_cli_run (tests/conftest.py), shared with test_faults.py and
+    test_report.py."""
+    return tiny_cli_run[0]
 
 
 @pytest.mark.slow

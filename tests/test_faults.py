@@ -144,13 +144,13 @@ def test_full_disk_in_data_dir_is_one_line_and_leaves_no_temp_file(tmp_path, wri
 
 # ------------------------------------------------------------------------------------- SIGINT
 @pytest.mark.slow
-def test_sigint_mid_epoch_writes_a_checkpoint_exits_130_and_resumes_exactly(tmp_path):
+def test_sigint_mid_epoch_writes_a_checkpoint_exits_130_and_resumes_exactly(tmp_path, tiny_cli_run):
     """Ctrl-C is handled as SIGTERM is: the process stops at the next step, writes a mid-epoch
     checkpoint and exits 130 with one line (a KeyboardInterrupt traceback and no checkpoint
-    before); train.resume=true then ends where the uninterrupted run ends."""
+    before); train.resume=true then ends where the uninterrupted run (the session's
+    tiny_cli_run, run_train_cli's defaults as here) ends."""
     data = tmp_path / "data"
-    whole = run_train_cli(tmp_path / "whole", data)
-    assert whole.returncode == 0, whole.stderr[-2000:]
+    whole, _ = tiny_cli_run
     run = tmp_path / "run"
     stopped = run_train_cli(run, data, env={"GEARS_FAULT_KILL": "0:step:13:INT"})
     assert stopped.returncode == 130, stopped.stderr[-2000:]
@@ -163,8 +163,8 @@ def test_sigint_mid_epoch_writes_a_checkpoint_exits_130_and_resumes_exactly(tmp_
     assert names == ["epoch_0001.pt", "epoch_0001_step_000003.pt"]
     resumed = run_train_cli(run, data, "train.resume=true")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert metrics_without_timing(run) == metrics_without_timing(tmp_path / "whole")
-    assert final_train_state(run) == final_train_state(tmp_path / "whole")
+    assert metrics_without_timing(run) == metrics_without_timing(whole)
+    assert final_train_state(run) == final_train_state(whole)
 
 
 @pytest.mark.slow

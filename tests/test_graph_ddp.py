@@ -66,21 +66,28 @@ def _fit(pert_data, env: DistEnv, planned: bool, batch_size: int) -> dict:
     return {"state": _state(trainer), "steps": trainer.step, "planned": trainer.runner is not None}
 
 
-def _worker(rank: int, world: int, port: int, out: str, job: str):
+def _worker(rank: int, world: int, port: int, out: str):
+    """Every job of JOBS in turn on one group of ranks, each on freshly loaded data (the jobs
+    seed and build their own trainers); rank 0 writes job -> result."""
     env = join_local_gloo(rank, world, port)
     try:
-        pert_data = tiny_split(Path(out) / f"data{rank}")
-        result = JOBS[job](pert_data, env)
+        results = {
+            job: run(tiny_split(Path(out) / f"data{rank}_{job}"), env) for job, run in JOBS.items()
+        }
         if rank == 0:
             with open(Path(out) / "rank0.pkl", "wb") as f:
-                pickle.dump(result, f)
+                pickle.dump(results, f)
     finally:
         cleanup(env)
 
 
-def _spawn(tmp_path: Path, job: str) -> dict:
-    mp.spawn(_worker, args=(WORLD, find_free_port(), str(tmp_path), job), nprocs=WORLD, join=True)
-    with open(tmp_path / "rank0.pkl", "rb") as f:
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory) -> dict:
+    """Rank 0's result of each job: one mp.spawn of WORLD gloo ranks for the module's three
+    tests (the processes start and join their group once)."""
+    out = tmp_path_factory.mktemp("ranks")
+    mp.spawn(_worker, args=(WORLD, find_free_port(), str(out)), nprocs=WORLD, join=True)
+    with open(out / "rank0.pkl", "rb") as f:
         return pickle.load(f)
 
 
@@ -98,12 +105,12 @@ def _assert_same_state(a: dict, b: dict) -> None:  # (tests/test_ddp.py's tolera
 
 
 @pytest.mark.slow
-def test_two_planned_ranks_equal_one_planned_process_and_eager_ddp(tmp_path):
+def test_two_planned_ranks_equal_one_planned_process_and_eager_ddp(tmp_path, spawned):
     """2 gloo ranks with the planned step at batch b: the parameters of 1 process with the
     planned step at batch 2b, and of 2 ranks with eager DDP (frozen batch-norm, as
     tests/test_ddp.py's equality needs)."""
     torch.set_num_threads(1)
-    ranks = _spawn(tmp_path / "ddp", "eager_and_planned")
+    ranks = spawned["eager_and_planned"]
     single = _fit(tiny_split(tmp_path / "single"), DistEnv(), True, WORLD * CELLS)
     assert ranks["planned"]["planned"] and single["planned"]
     assert not ranks["eager"]["planned"]
@@ -282,12 +289,12 @@ JOBS = {
 
 
 @pytest.mark.slow
-def test_planned_ddp_steps_of_a_bucket_dispatch_identical_ops_and_keep_storage(tmp_path):
+def test_planned_ddp_steps_of_a_bucket_dispatch_identical_ops_and_keep_storage(spawned):
     """On each of 2 ranks: the ops of two steps of one bucket (the broadcasts, the local part,
     one all_reduce, the update) are identical, no storage moves, no attribute is rebound, and
     the ranks agree on every step's bucket."""
     torch.set_num_threads(1)
-    result = _spawn(tmp_path, "ops_and_storage")
+    result = spawned["ops_and_storage"]
     assert len(result["buckets"]) == WORLD
 
 
@@ -315,11 +322,11 @@ def test_only_synchronised_batchnorm_keeps_ddp_eager():
 
 
 @pytest.mark.slow
-def test_planned_ddp_parts_captured_with_the_standin_train_as_uncaptured(tmp_path):
+def test_planned_ddp_parts_captured_with_the_standin_train_as_uncaptured(spawned):
     """The capture path under DDP on each of 2 ranks (see _captured): the graphs of the local
     parts and of the update, replayed around the all_reduce, train as the uncaptured steps."""
     torch.set_num_threads(1)
-    result = _spawn(tmp_path, "captured")
+    result = spawned["captured"]
     assert "update" in result["keys"] and any("local" in k for k in result["keys"])
 
 

@@ -281,12 +281,10 @@ def _file_keys(metrics: dict) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def default_run(tmp_path_factory):
-    """A whole run on the TINY screen with the default settings: (its folder, its stdout)."""
-    tmp = tmp_path_factory.mktemp("run")
-    run = run_train_cli(tmp / "run", tmp / "data")
-    assert run.returncode == 0, run.stderr[-2000:]
-    return tmp / "run", run.stdout
+def default_run(tiny_cli_run):
+    """A whole run on the TINY screen with the default settings: (its folder, its stdout). The
+    session's tiny_cli_run (tests/conftest.py: run_train_cli's defaults), only read here."""
+    return tiny_cli_run
 
 
 @pytest.mark.slow
