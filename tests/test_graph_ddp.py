@@ -83,7 +83,7 @@ def _worker(rank: int, world: int, port: int, out: str):
 
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory) -> dict:
-    """Rank 0's result of each job: one mp.spawn of WORLD gloo ranks for the module's three
+    """Rank 0's result of each job: one mp.spawn of WORLD gloo ranks for the module's four
     tests (the processes start and join their group once)."""
     out = tmp_path_factory.mktemp("ranks")
     mp.spawn(_worker, args=(WORLD, find_free_port(), str(out)), nprocs=WORLD, join=True)
@@ -281,10 +281,10 @@ def _wrapper(pert_data, env: DistEnv) -> dict:
 
 
 JOBS = {
-    "wrapper": _wrapper,
     "eager_and_planned": _eager_and_planned,
     "ops_and_storage": _ops_and_storage,
     "captured": _captured,
+    "wrapper": _wrapper,
 }
 
 
@@ -330,12 +330,12 @@ def test_planned_ddp_parts_captured_with_the_standin_train_as_uncaptured(spawned
     assert "update" in result["keys"] and any("local" in k for k in result["keys"])
 
 
-def test_planned_ddp_builds_no_wrapper_and_starts_every_rank_from_rank_0(tmp_path):
+def test_planned_ddp_builds_no_wrapper_and_starts_every_rank_from_rank_0(spawned):
     """See _wrapper: on 2 gloo ranks initialised differently, the planned trainer has no
     DistributedDataParallel and every rank holds rank 0's parameters and buffers; with the plan
     refused (gradient accumulation) the wrapper is built at the first epoch."""
     torch.set_num_threads(1)
-    result = _spawn(tmp_path, "wrapper")
+    result = spawned["wrapper"]
     assert result[1] == {
         "ddp_before": False,
         "ddp_after": False,
