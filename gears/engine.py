@@ -295,13 +295,13 @@ def wrap_for_training(
     env: DistEnv,
     dist_cfg: DistributedConfig,
     compile: bool,
-    ddp: bool | None = None,
+    ddp: bool = True,
 ) -> torch.nn.Module:
-    """The module the step calls: the network, under DDP with several processes (ddp: None;
-    False for the planned step, which averages the gradients itself), compiled with
-    train.compile (rows padded to a few sizes by batch_rows)."""
+    """The module the step calls: the network, under DDP with several processes (ddp=False
+    for the planned step, which averages the gradients itself), compiled with train.compile
+    (rows padded to a few sizes by batch_rows)."""
     model = net
-    if env.distributed and ddp is not False:
+    if env.distributed and ddp:
         set_sync_batchnorm(net, dist_cfg.sync_batchnorm)  # (the fast network's)
         # The graphs are built identically on every rank: DDP's default would broadcast them
         # (MBs at genome scale) from rank 0 before every forward.
@@ -464,7 +464,7 @@ class Trainer:
         # alive from the stream it was built on, where a capture on a side stream cannot use
         # them: the wrapper is built only when eager steps train (step_runner's refusal).
         self.model = wrap_for_training(
-            self.net, env, dist_cfg, train_cfg.compile, ddp=None if not self.planned else False
+            self.net, env, dist_cfg, train_cfg.compile, ddp=not self.planned
         )
         if self.planned:
             sync_module(env, self.net)

@@ -246,33 +246,28 @@ class StepRunner:
     def step_fn(self, bucket: int) -> None:
         """One optimizer step on the cursor's batch: forward, loss, backward, clipping, Adam,
         the accumulators, the cursor. Same ops and shapes for every batch of a bucket."""
-        trainer, plan = self.trainer, self.plan
         grads = [p.grad for p in self.params if p.grad is not None]
         if grads:
             torch._foreach_zero_(grads)
-        batch = plan.read(bucket)
-        loss = planned_loss(trainer, batch)
+        loss = planned_loss(self.trainer, self.plan.read(bucket))
         loss.backward()
-        if trainer.cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_value_(self.params, trainer.cfg.grad_clip, foreach=True)
-        self.opt.step()
-        loss = loss.detach()
-        self.last_loss.copy_(loss)
-        self.loss_sum.add_(loss)
-        bad = (self.first_bad < 0) & ~torch.isfinite(loss)
-        self.first_bad.copy_(torch.where(bad, plan.cursor[0], self.first_bad))
-        plan.cursor.add_(1)
+        self.update_fn()
+        self.tally(loss.detach())
 
     def local_fn(self, bucket: int) -> None:
         """DDP's first part, this rank's alone: forward, loss and backward into the flat
         gradients, the accumulators, the cursor. Same ops and shapes for every batch of a
         bucket."""
-        plan = self.plan
         if self.flat_grads:  # (the first step creates the gradients: flat_grads_of_used)
             torch._foreach_zero_(self.flat_grads)
-        loss = planned_loss(self.trainer, plan.read(bucket), self.model)
+        loss = planned_loss(self.trainer, self.plan.read(bucket), self.model)
         loss.backward()
-        loss = loss.detach()
+        self.tally(loss.detach())
+
+    def tally(self, loss: torch.Tensor) -> None:
+        """A step's accumulators on the device: the last loss, the epoch's loss sum, the first
+        non-finite batch; then the cursor moves to the next batch."""
+        plan = self.plan
         self.last_loss.copy_(loss)
         self.loss_sum.add_(loss)
         bad = (self.first_bad < 0) & ~torch.isfinite(loss)
@@ -280,7 +275,8 @@ class StepRunner:
         plan.cursor.add_(1)
 
     def update_fn(self) -> None:
-        """DDP's last part, on the averaged gradients: clipping and the optimizer step."""
+        """Clipping and the optimizer step: the single-process step's last part, and DDP's
+        (on the averaged gradients)."""
         if self.trainer.cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_value_(self.params, self.trainer.cfg.grad_clip, foreach=True)
         self.opt.step()
