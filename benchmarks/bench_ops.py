@@ -143,7 +143,7 @@ def configuration(pert_data, net0, args, device, precision, compiled, batching, 
     # Epoch 0 warms up (the optimizer's state; compiled: every row bucket the batches need).
     count_epoch(trainer, requests, dataset.__getitem__, epoch=0, method=method)
     steps = count_epoch(trainer, requests, dataset.__getitem__, epoch=1, method=method)[1:]
-    layouts = [_layout_name(trainer.row_layout(dataset[r].counts)) for r in requests[1:]]
+    layouts = [trainer.row_layout(dataset[r].counts).kind for r in requests[1:]]
     distinct = [len(set(dataset.cond[r].tolist())) for r in requests[1:]]
     totals = [sum(s.values()) for s in steps]
     phases = {p: statistics.mean(s[p] for s in steps) for p in PHASES}
@@ -172,18 +172,6 @@ def configuration(pert_data, net0, args, device, precision, compiled, batching, 
         "counted_by": method,
         "top": top,
     }
-
-
-def _layout_name(layout) -> str:
-    from gears.engine import CellRows, EqualRows, RepeatRows, WeightedRows
-
-    names = {
-        WeightedRows: "weighted",
-        RepeatRows: "repeat",
-        CellRows: "cells",
-        EqualRows: "uniform",
-    }
-    return names[type(layout)]
 
 
 def main(args) -> dict:

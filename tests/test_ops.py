@@ -16,11 +16,7 @@ from gears.data.loaders import Batch
 from gears.data.pertdata import PertData
 from gears.distributed import DistEnv
 from gears.engine import (
-    CellRows,
-    EqualRows,
-    RepeatRows,
     Trainer,
-    WeightedRows,
     seed_everything,
 )
 from gears.model.batch import ModelBatch
@@ -124,7 +120,7 @@ def test_step_ops_do_not_grow_with_distinct_perturbations(tiny, layout):
     ops, kinds = {}, {}
     for size in (32, 256):
         batches = [_batch(tiny, LAYOUTS[layout](size, seed), seed) for seed in range(3)]
-        kinds[size] = {_kind(trainer.row_layout(b.counts)) for b in batches}
+        kinds[size] = {trainer.row_layout(b.counts).kind for b in batches}
         ops[size] = _steady_ops(trainer, batches)
     expected = {"random": ("cells", "weighted"), "weighted": ("weighted",) * 2}
     expected.update(repeat=("repeat",) * 2, grouped=("uniform",) * 2)
@@ -133,16 +129,6 @@ def test_step_ops_do_not_grow_with_distinct_perturbations(tiny, layout):
     assert max(ops[256]) <= min(GROWTH * min(ops[32]), MOST), ops
     if layout != "random":  # the same layout at both sizes: the same ops
         assert set(ops[32]) == set(ops[256]), ops
-
-
-def _kind(layout) -> str:
-    kinds = {
-        WeightedRows: "weighted",
-        RepeatRows: "repeat",
-        CellRows: "cells",
-        EqualRows: "uniform",
-    }
-    return kinds[type(layout)]
 
 
 def _weighted_bn_ops(blocks: int, dtype: torch.dtype, per_block=None) -> int:
@@ -272,7 +258,7 @@ def test_steady_step_makes_no_host_sync(tiny, precision):
     per fp16 step that counted skipped steps."""
     trainer = _trainer(tiny, precision)
     batches = [_batch(tiny, LAYOUTS[k](32, 1), seed=i) for i, k in enumerate(LAYOUTS)]
-    kinds = {_kind(trainer.row_layout(b.counts)) for b in batches}
+    kinds = {trainer.row_layout(b.counts).kind for b in batches}
     assert kinds == {"cells", "weighted", "repeat", "uniform"}
     _epoch(trainer, batches, 0)  # warm-up: creates the optimizer's state
     guard = guard_epoch(trainer, batches, epoch=1)

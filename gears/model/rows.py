@@ -12,6 +12,7 @@ are computed once, each row weighted by its cells, unless the network reads the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -33,11 +34,14 @@ CELL_ROWS_ABOVE_FRACTION = 0.75
 class WeightedRows:
     """Layout: the distinct rows, each weighted by its cells (batch.counts)."""
 
+    kind: ClassVar[str] = "weighted"  # (the short name benchmarks and tests print)
+
 
 @dataclass(frozen=True)
 class EqualRows:
     """Layout: the distinct rows, every one standing for `count` cells (native batch-norm)."""
 
+    kind: ClassVar[str] = "uniform"
     count: float
 
 
@@ -48,6 +52,7 @@ class RepeatRows:
     Exact: copies of a row have equal outputs, each cell reads its first copy, and the gradient
     summed over the copies is the per-cell batch's."""
 
+    kind: ClassVar[str] = "repeat"
     count: float
     repeats: torch.Tensor  # [U] long, host
     rows: int  # sum(repeats), read on the host by row_layout (the step then reads nothing)
@@ -56,6 +61,8 @@ class RepeatRows:
 @dataclass(frozen=True)
 class CellRows:
     """Layout: one row per cell (instead of one per distinct group), each standing for 1."""
+
+    kind: ClassVar[str] = "cells"
 
 
 WEIGHTED_ROWS, CELL_ROWS = WeightedRows(), CellRows()
