@@ -406,6 +406,13 @@ def restore(trainer, state: dict, optimizer_kernel: dict) -> None:
         group.update(optimizer_kernel)
     trainer.opt.load_state_dict(state["optimizer"])
     trainer.sched.load_state_dict(state["scheduler"])
+    for group in trainer.opt.param_groups:
+        # A planned run saves each learning rate as a tensor on its device (float32 on a GPU),
+        # loaded here as a CPU tensor. Kept as it is, a captured step on a GPU reads it once, at
+        # the capture, and never sees the schedule's later rates. It becomes a Python number
+        # again, as in a fresh run; the planned step makes its own tensor (graph_step.tensor_lr).
+        if torch.is_tensor(group["lr"]):
+            group["lr"] = group["lr"].item()
     # An fp32 or bf16 run saves a disabled scaler's empty state; fp16 then starts afresh.
     if state["scaler"]:
         trainer.scaler.load_state_dict(state["scaler"])

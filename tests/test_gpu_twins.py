@@ -160,18 +160,23 @@ def tiny_run(tmp_path_factory) -> tuple[PertData, Path]:
 
 def _trainer(pd_: PertData, out_dir: Path, device: str = "cpu", **kw) -> Trainer:
     model = build(pd_, seed=5)  # other initial weights: resume must replace them
-    cfg = TrainConfig(epochs=2, limit_batches=3, schedule="constant", batch_size=32, **kw)
+    cfg = TrainConfig(
+        **{"epochs": 2, "limit_batches": 3, "schedule": "constant", "batch_size": 32, **kw}
+    )
     env = DistEnv(device=torch.device(device))
     return Trainer(model.model, pd_, cfg, model.model_config(), env, out_dir=out_dir)
 
 
-def _as_written_on_cuda(src: Path, dst: Path, fused: bool = True) -> None:
+def _as_written_on_cuda(src: Path, dst: Path, fused: bool = True, planned: bool = False) -> None:
     """`src` as a CUDA process would have written it: every storage tagged cuda:0, the CUDA RNG
-    states of two GPUs (the older format) and fused (or foreach) Adam's parameter groups."""
+    states of two GPUs (the older format) and fused (or foreach) Adam's parameter groups; with
+    `planned`, each learning rate the float32 tensor of a planned step (graph_step.tensor_lr)."""
     state = ckpt.load(src)
     state["rng"]["cuda"] = [torch.get_rng_state(), torch.get_rng_state()]
     for group in state["optimizer"]["param_groups"]:
         group.update(fused=True if fused else None, foreach=None if fused else True)
+        if planned:
+            group["lr"] = torch.tensor(group["lr"], dtype=torch.float32)
     dst.parent.mkdir(parents=True, exist_ok=True)
     torch.save(state, dst)
     with zipfile.ZipFile(dst) as z:
@@ -210,6 +215,31 @@ def test_checkpoint_written_on_cuda_resumes_on_cpu(tiny_run, tmp_path, fused):
     assert steps and all(s.device.type == "cpu" for s in steps)
     trainer.fit({"train_loader": ListLoader(group_batches(pd_, 8, 4, 2))}, progress=False)
     assert trainer.epoch == 2 and all(p.isfinite().all() for p in trainer.net.parameters())
+
+
+@pytest.mark.parametrize("planned", [False, True], ids=["eager", "planned"])
+def test_a_planned_gpu_runs_learning_rate_resumes_as_this_runs_own(tiny_run, tmp_path, planned):
+    """A planned GPU run saves each learning rate as a float32 CUDA tensor; resume loads it as a
+    CPU tensor. Kept so, a captured step on a GPU read it once, at its capture, and replayed that
+    rate after the schedule had halved it (a resumed 2-rank run ended 2.4e-2 from the run that
+    never stopped, in its first epoch after the capture). Resumed, the rate is a number, as in a
+    fresh run; a planned run then steps with its own tensor (this device, its dtype), which the
+    schedule fills in place."""
+    pd_, run = tiny_run
+    src = ckpt.list_checkpoints(run / "checkpoints")[-1]
+    _as_written_on_cuda(src, tmp_path / "checkpoints" / src.name, planned=True)
+    trainer = _trainer(pd_, tmp_path)
+    trainer.planned = planned  # train.cuda_graphs=null's choice on a GPU (the checkpoint's)
+    assert trainer.resume()
+    rates = [group["lr"] for group in trainer.opt.param_groups]
+    assert all(type(lr) is float for lr in rates), rates
+    trainer.fit(pd_.get_dataloader_distributed(32, 64), progress=False)
+    assert trainer.epoch == 2 and (trainer.runner is not None) == planned
+    if planned:
+        for group in trainer.opt.param_groups:
+            lr = group["lr"]
+            assert torch.is_tensor(lr) and lr.dtype == torch.float64, lr  # tensor_lr's, on CPU
+            assert lr.data_ptr() in trainer.runner.storage()
 
 
 @pytest.mark.filterwarnings("ignore:.*meta parameter")
