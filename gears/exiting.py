@@ -18,8 +18,8 @@ EXIT_WAIT_S = 3.0
 
 def exit_quickly(status: int, wait_s: float = EXIT_WAIT_S) -> None:
     """End the process without the interpreter's teardown, which frees the modules (torch,
-    scanpy, numba, ...) object by object: about 1.5 s at the end of every command and of every
-    rank, measured on a 2-core x86 machine. What a normal exit does first still happens, in the
+    scanpy, numba, ...) object by object: a noticeable part of a short command's time, at the
+    end of every command and of every rank. What a normal exit does first still happens, in the
     same order: threading's exit hooks run (concurrent.futures' ends the idle workers of every
     executor pool: inductor's compile workers, which nobody shuts down), other non-daemon threads
     are joined, atexit handlers run (multiprocessing's, wandb's, logging's), stdout and stderr
