@@ -421,8 +421,8 @@ def release(env: DistEnv) -> DistEnv:
     destroy. Returns this rank's env without a group, for rank-0-only work that may take longer
     than any collective timeout (scoring, baselines, plots). The caller drops its DDP wrapper
     first: a reducer freed later from a Python dealloc with the GIL held used to be what
-    destroyed the gloo group and joined its worker thread, which waited for the GIL (a hang
-    seen with torch 2.13)."""
+    destroyed the gloo group and joined its worker thread, which waited for the GIL (a hang:
+    benchmarks/README.md, finding 6)."""
     if not (env.distributed and dist.is_initialized()):
         return env
     gc.collect()  # free unreferenced DDP reducers now, while the group is still alive

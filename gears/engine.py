@@ -103,12 +103,12 @@ def optimizer_kernel(
     optimizer: str, device: torch.device, capturable: bool = False
 ) -> dict[str, bool | None]:
     """The update kernel for a device: fused Adam/AdamW on CUDA and CPU (one kernel for all
-    parameters; on CPU 3.4x faster than `foreach`, 0.46 vs 1.56 ms a step at 1,000 genes, with
-    the same parameters to ~1e-6), the multi-tensor `foreach` path elsewhere (SGD, other
-    devices). capturable (the planned step, gears/graph_step.py, which replays the update
-    inside a CUDA graph): Adam and AdamW keep their step count on the device and take a tensor
-    learning rate; SGD runs its fused kernel, which reads the tensor learning rate on the device
-    (the foreach one reads it on the host)."""
+    parameters; on CPU faster than `foreach`, with the same parameters to ~1e-6), the
+    multi-tensor `foreach` path elsewhere (SGD, other devices). capturable (the planned step,
+    gears/graph_step.py, which replays the update inside a CUDA graph): Adam and AdamW keep
+    their step count on the device and take a tensor learning rate; SGD runs its fused kernel,
+    which reads the tensor learning rate on the device (the foreach one reads it on the
+    host)."""
     if capturable:
         if optimizer in ("adam", "adamw"):
             return {"fused": True, "foreach": None, "capturable": True}
@@ -261,11 +261,11 @@ class TrainProgress:
 
 def compiled_backward_as_eager(compiled: bool):
     """A context for calling a torch.compile'd network whose backward must mean what eager's
-    means. Two defaults of PyTorch 2.13 differ: the compiled backward is traced under the
-    forward's autocast (the fp32 layers' backward matmuls then ran in half precision: indv_b1's
-    bf16 gradient 30x further from fp32 than eager's; pytorch#153044), and the partitioner may
-    recompute, in the backward, reads of a parameter that the forward mutates in place (the
-    max-norm embeddings: their gradients then used rows scaled twice, 50-80% off on a step that
+    means. Two of torch.compile's defaults differ (the torch versions: docs/mixed_precision.md):
+    the compiled backward is traced under the forward's autocast (the fp32 layers' backward
+    matmuls then run in half precision, far from eager's gradient; pytorch#153044), and the
+    partitioner may recompute, in the backward, reads of a parameter that the forward mutates in
+    place (the max-norm embeddings: their gradients then use rows scaled twice on a step that
     renormalises, fp32 included). tests/test_compile_amp.py fails without either setting."""
     if not compiled:
         return contextlib.nullcontext()

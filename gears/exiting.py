@@ -17,15 +17,16 @@ EXIT_WAIT_S = 3.0
 
 
 def exit_quickly(status: int, wait_s: float = EXIT_WAIT_S) -> None:
-    """End the process without the interpreter's teardown, which frees the modules (torch,
-    scanpy, numba, ...) object by object: about 1.5 s at the end of every command and of every
-    rank, measured on a 2-core x86 machine. What a normal exit does first still happens, in the
-    same order: threading's exit hooks run (concurrent.futures' ends the idle workers of every
-    executor pool: inductor's compile workers, which nobody shuts down), other non-daemon threads
-    are joined, atexit handlers run (multiprocessing's, wandb's, logging's), stdout and stderr
-    are flushed. Unlike a normal exit, the hooks and joins share one budget of wait_s seconds:
-    a thread still running after it is left behind, never waited on forever. Outputs are closed
-    before this point (files are written whole and renamed, gears.io)."""
+    """End the process without the interpreter's teardown, which frees the modules (torch, scanpy,
+    numba, ...) object by object: a noticeable part of a short command's time, at the end of every
+    command and of every rank (measured in docs/performance.md, "Under load"). What a normal exit
+    does first still happens, in the same order: threading's exit hooks run (concurrent.futures'
+    ends the idle workers of every executor pool: inductor's compile workers, which nobody shuts
+    down), other non-daemon threads are joined, atexit handlers run (multiprocessing's, wandb's,
+    logging's), stdout and stderr are flushed. Unlike a normal exit, the hooks and joins share one
+    budget of wait_s seconds: a thread still running after it is left behind, never waited on
+    forever. Outputs are closed before this point (files are written whole and renamed,
+    gears.io)."""
     deadline = time.monotonic() + wait_s
     hooks = list(reversed(getattr(threading, "_threading_atexits", [])))
     if hooks:  # in a thread of their own: a pool's worker still busy would hold them

@@ -1,8 +1,9 @@
 """The training step as one fixed-shape function per shape bucket, fed by an epoch plan on the
 device, and replayed as a CUDA graph (train.cuda_graphs).
 
-On a GPU this model is host-bound (../DESIGN.md section 3): a batch-32 step is < 1 ms of GPU
-work and ~14 ms of host time. Two pieces remove the host from the step:
+On a GPU this model is host-bound (../DESIGN.md section 3; docs/performance.md, "The planned step
+and CUDA graphs"): the GPU idles most of a batch-32 step while the host dispatches its ops. Two
+pieces remove the host from the step:
 
 `EpochPlan` lays a whole epoch out at `set_epoch`, vectorised over every batch at once, and
 uploads it once: each batch's expression rows (x and y), its distinct groups padded to a shape

@@ -1,11 +1,12 @@
 """The ops a training step dispatches, counted by phase, and the ops that make the host wait.
 
-On a GPU this model is launch-bound: every aten op a step dispatches is at least one kernel
-launch (~5-10 us of host time in eager mode), so the count is the step's speed limit whatever
-the arithmetic. `OpCounter` counts them (a TorchDispatchMode: every op that reaches a kernel,
-forward and backward, views excluded since they launch nothing); `step_phases` labels them
-loader / forward / loss / backward / optimizer / bookkeeping with module and optimizer hooks and
-a wrapper around `Tensor.backward`, so nothing here depends on how `Trainer.train_step` is split.
+On a GPU this model is launch-bound: every aten op a step dispatches is at least one kernel launch
+(several microseconds of host time in eager mode: docs/performance.md, "Ops per training step"), so
+the count is the step's speed limit whatever the arithmetic. `OpCounter` counts them (a
+TorchDispatchMode: every op that reaches a kernel, forward and backward, views excluded since they
+launch nothing); `step_phases` labels them loader / forward / loss / backward / optimizer /
+bookkeeping with module and optimizer hooks and a wrapper around `Tensor.backward`, so nothing here
+depends on how `Trainer.train_step` is split.
 
 `SyncGuard` refuses, inside a training step, every op that makes the host wait for the device:
 `.item()` and its kin, and the ops whose output shape depends on the data (SYNC_OPS,

@@ -32,10 +32,11 @@ def wait_passively(environ=None) -> bool:
     entry points do the same before importing gears, which imports torch. libgomp's default
     spins a waiting thread for 300,000 pauses (milliseconds) before sleeping, so when another
     process holds a core a thread spins away its time slice waiting for a descheduled partner,
-    at each of the ~250 parallel regions of a training step: beside one busy process the
-    default job took 12x as long as at 1 thread, and on a loaded machine scanpy's numba t-test
-    (the same libgomp) 700x as long a call as with passive waits. The policy changes when
-    threads run, never how work is split: the same thread count gives the same numbers.
+    at each parallel region of a training step: beside one busy process the default job took
+    far longer than at 1 thread, and scanpy's numba t-test (the same libgomp) far longer a call
+    than with passive waits (the spinning arms are measured in docs/performance.md, "Under
+    load"). The policy changes when threads run, never how work is split: the same thread
+    count gives the same numbers.
     Returns True when it set the policy."""
     environ = os.environ if environ is None else environ
     if "OMP_WAIT_POLICY" in environ or "GOMP_SPINCOUNT" in environ:
@@ -176,11 +177,12 @@ def tune_allocator(mmap_threshold: int = 1 << 30, trim_threshold: int = _INT_MAX
     """Keep large freed blocks in glibc's heap instead of returning them to the kernel.
 
     By default glibc serves each large activation from a fresh mmap and unmaps it on free, so a
-    CPU training step takes ~19,000 minor page faults (each page zeroed again); raising
-    M_MMAP_THRESHOLD and M_TRIM_THRESHOLD makes freed activations reusable (random fp32 step
-    119 -> 105 ms, benchmarks/README.md finding 5). Peak memory is unchanged; the process keeps
-    its high-water mark instead of giving pages back between steps. A no-op (False) without
-    glibc, e.g. on macOS, Windows or musl, and when MALLOC_MMAP_THRESHOLD_ is set by the user.
+    CPU training step takes thousands of minor page faults (each page zeroed again); raising
+    M_MMAP_THRESHOLD and M_TRIM_THRESHOLD makes freed activations reusable and the step faster
+    (the faults and the step's time are measured in benchmarks/README.md, finding 5). Peak
+    memory is unchanged; the process keeps its high-water mark instead of giving pages back
+    between steps. A no-op (False) without glibc, e.g. on macOS, Windows or musl, and when
+    MALLOC_MMAP_THRESHOLD_ is set by the user.
     Returns True when both thresholds were set."""
     if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return False
@@ -197,8 +199,9 @@ def tune_allocator(mmap_threshold: int = 1 << 30, trim_threshold: int = _INT_MAX
 
 # ---------------------------------------------------------------- spinning waits, governed by load
 # The entry points (train_single.py, train_distributed.py) leave libgomp its default waits (a
-# waiting thread spins 300,000 pauses, ~11 ms, before it sleeps) and set this variable: the run
-# then governs them (`govern_waits`). A user's OMP_WAIT_POLICY or GOMP_SPINCOUNT is kept as set.
+# waiting thread spins 300,000 pauses before it sleeps; their time on one machine is in
+# docs/performance.md, "Under load") and set this variable: the run then governs them
+# (`govern_waits`). A user's OMP_WAIT_POLICY or GOMP_SPINCOUNT is kept as set.
 GOVERNED_WAITS = "GEARS_OMP_WAITS"
 
 
@@ -271,13 +274,14 @@ class WaitGovernor:
     """libgomp's spinning waits while this process has its CPUs to itself, short ones (100
     pauses, then sleep) while other processes use them, switched from a watch of /proc/stat.
 
-    Spinning lets a thread that finishes its share of an op take the next op at once: the
-    default job trained 1.45x as fast at 2 threads as at 1 on an idle 2-core machine, but beside
-    a busy process the spinning thread burns the time slices its descheduled partner needs
-    (training 2.7x as long as at 1 thread). libgomp fixes its spin counts when it loads, but it
-    uses the short count whenever it manages more threads than the process has CPUs; the
-    governor makes it so by parking a pool of that many idle libgomp threads in a thread of its
-    own (asleep in a futex: no CPU), and lets them go when the CPUs are free again.
+    Spinning lets a thread that finishes its share of an op take the next op at once (the
+    default job trains faster at 2 threads than at 1 on an idle 2-core machine), but beside a
+    busy process the spinning thread burns the time slices its descheduled partner needs
+    (training then takes longer than at 1 thread); both are measured in docs/performance.md,
+    "Under load". libgomp fixes its spin counts when it loads, but it uses the short count
+    whenever it manages more threads than the process has CPUs; the governor makes it so by
+    parking a pool of that many idle libgomp threads in a thread of its own (asleep in a futex:
+    no CPU), and lets them go when the CPUs are free again.
 
     Only when threads wait changes: never how many threads split an op, so never a result
     (the thread count stays what `auto_threads` chose, and reruns stay bit-identical)."""

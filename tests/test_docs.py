@@ -5,14 +5,17 @@ command and a commit. The rules are in docs/testing.md, "Docs that execute"."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
+import io
 import os
 import re
 import shlex
 import shutil
 import subprocess
 import sys
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -843,3 +846,81 @@ def test_readme_says_nproc_multiplies_the_effective_batch():
     ):
         assert needed in para, f"README's --nproc paragraph lacks {needed!r}"
     assert COMMIT.search(para), "the measured shifts need the commit they were measured at"
+
+
+# ------------------------------------------------------ figures stay out of the code (fast)
+# Docstrings and comments keep shapes, invariants and the reason a design exists; a measured
+# timing, speed or speed-up goes to a docs page with its command and commit (numbers above), and
+# the code names the page. The code's figures: a number with a unit of time or rate, or a ratio
+# written 4.9x. Not figures: sizes such as 500 x 2k, hex literals, dimensions.
+CODE_FIGURE = re.compile(
+    r"(?<![\w.^/-])~?\d[\d,]*(?:\.\d+)?(?:\s?-\s?\d[\d,]*(?:\.\d+)?)?"
+    r"(?:\s?(?:s|ms|us|µs|ns|sec|min|cells/s|batches/s|steps/s)(?![\w/])|x(?!\w))"
+)
+# Figures in the code that define behaviour rather than measure it, with why.
+CODE_FIGURE_SETTINGS = {
+    "5-20x": "gears/data/synthetic.py: the simulated CRISPRa activation of a gene, a setting",
+}
+
+
+def code_prose(path: Path) -> list[tuple[int, str]]:
+    """(line, text) of each comment and each string statement (docstrings, module to method) of
+    a Python file."""
+    source = path.read_text(encoding="utf-8")
+    found = [
+        (token.start[0], token.string)
+        for token in tokenize.generate_tokens(io.StringIO(source).readline)
+        if token.type == tokenize.COMMENT
+    ]
+    for node in ast.walk(ast.parse(source)):
+        if (
+            isinstance(node, ast.Expr)
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str)
+        ):
+            lines = node.value.value.splitlines()
+            found += [(node.lineno + i, line) for i, line in enumerate(lines)]
+    return sorted(found)
+
+
+def code_figures(files: list[Path]) -> list[str]:
+    """'file:line: figure: text' for each measured figure in the files' comments and docstrings."""
+    found = []
+    for path in files:
+        for line, text in code_prose(path):
+            for match in CODE_FIGURE.finditer(text):
+                if match.group(0).lstrip("~") not in CODE_FIGURE_SETTINGS:
+                    where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+                    found.append(f"{where}:{line}: {match.group(0)!r}: {text.strip()}")
+    return found
+
+
+def test_the_codes_docstrings_and_comments_carry_no_measured_figures():
+    """gears/ (every module, at any depth) and the entry-point scripts: a timing, speed or ratio
+    in a docstring or comment belongs in docs/ with its command and commit."""
+    files = sorted((ROOT / "gears").rglob("*.py")) + sorted(ROOT.glob("*.py"))
+    assert len(files) > 30, "the package's modules were not found"
+    found = code_figures(files)
+    assert not found, (
+        "measured figures in docstrings or comments (move them to docs/, e.g. "
+        "docs/performance.md, with their command and commit, and name the page):\n"
+        + "\n".join(found)
+    )
+    text = " ".join(p.read_text(encoding="utf-8") for p in files)
+    stale = [f for f in CODE_FIGURE_SETTINGS if f not in text]
+    assert not stale, f"stale CODE_FIGURE_SETTINGS entries: {stale}"
+
+
+def test_a_figure_in_a_comment_or_docstring_is_caught_and_code_is_not(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text(
+        '"""One row per cell: 3.4x faster, 0.46 vs 1.56 ms a step."""\n'
+        "LIMIT_S = 30  # seconds, a setting\n"
+        "x = 2  # [B, G] rows; ~10x slower on this CPU\n"
+        "def f():\n"
+        '    """Grouped: 110 -> 70 ms per step, 351 cells/s."""\n'
+        '    return "12 ms"  # a string the code returns is not prose\n'
+    )
+    found = code_figures([module])
+    figures = [entry.split(": ")[1] for entry in found]
+    assert figures == ["'3.4x'", "'1.56 ms'", "'~10x'", "'70 ms'", "'351 cells/s'"], found

@@ -87,7 +87,8 @@ class _BlockWeightedBatchNormFn(torch.autograd.Function):
     block instead (forward: training-mode statistics of each block combined exactly, Chan et
     al.: mean = sum f_u m_u, var = sum f_u (v_u + (m_u - mean)^2); backward: one eval-mode
     pass per block): on CPU the native kernels read bf16 / fp16 blocks directly, where the
-    batched passes above make fp32 [U * k, C] temporaries (~10x slower on an AVX2 CPU).
+    batched passes above make fp32 [U * k, C] temporaries (far slower on an AVX2 CPU: measured in
+    benchmarks/README.md, finding 12).
     """
 
     @staticmethod
@@ -163,9 +164,9 @@ def _per_row(x: torch.Tensor, other: torch.dtype) -> bool:
     """Whether the [U, G, H] passes below, whose temporaries are in `other`'s dtype, loop over
     x's leading rows: on CPU when that differs from x's (a half-precision x), so that a row's
     fp32 temporaries ([G, H]) stay in cache (all rows at once stream them through memory:
-    fwd + bwd 1.2-1.8x slower at U = 8-32, G = 1,000, H = 64 in bf16, measured; blocks of 4
-    rows were slower than single rows). Otherwise one kernel for every row (faster for fp32 on
-    CPU, where the per-row loop cost eval ~15%, and on other devices)."""
+    measured in benchmarks/README.md, finding 10; blocks of rows were slower than single rows).
+    Otherwise one kernel for every row (faster for fp32 on CPU, where the per-row loop slowed
+    evaluation, and on other devices)."""
     return x.device.type == "cpu" and x.dtype != other
 
 
@@ -340,7 +341,8 @@ class WeightedBatchNorm1d(nn.BatchNorm1d):
             return y
         if not tensor_weight and not distributed and x.shape[0] > 1:
             # The native kernel returns the batch mean and 1/sqrt(var + eps) it normalised with:
-            # the running statistics need no second pass over x (torch.var_mean cost ~10x more).
+            # the running statistics need no second pass over x (torch.var_mean cost several times
+            # more: benchmarks/README.md, finding 2).
             y, mean, invstd = torch.native_batch_norm(
                 x, self.weight, self.bias, None, None, True, 0.0, self.eps
             )
@@ -462,7 +464,7 @@ class WeightedBatchNorm1d(nn.BatchNorm1d):
                     self._update_running(mean, var, n)
                 return out
             if batch_stats:
-                # (torch.var_mean over dim 0 costs ~10x these passes on [G, C])
+                # (torch.var_mean over dim 0 costs several times these passes on [G, C])
                 mean_a = af.mean(0)
                 centred_a = af - mean_a
                 var_a = (centred_a * centred_a).mean(0)
@@ -587,9 +589,9 @@ graph_propagate.register_autograd(_graph_propagate_backward, setup_context=_grap
 
 class _GraphPropagateFn(torch.autograd.Function):
     """graph_propagate for eager mode: the same product and gradient through a plain autograd
-    Function, which costs ~150 us less per call than the torch.library custom op's Python
-    dispatch (two calls a step: ~2% of a grouped step at 1,000 genes). torch.compile uses the
-    custom op (an opaque node instead of a graph break around the sparse tensor)."""
+    Function, which costs less per call than the torch.library custom op's Python dispatch (two
+    calls a step). torch.compile uses the custom op (an opaque node instead of a graph break
+    around the sparse tensor)."""
 
     @staticmethod
     def forward(ctx, crow, col, values, crow_t, col_t, values_t, x):
@@ -682,7 +684,7 @@ def gcn_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PyG's gcn_norm(add_self_loops=True), the same ops in the same order (tests/test_network.py
     compares the two bit for bit), without importing PyG, whose import pulls in torch._dynamo and
-    adds ~1.5 s to every command's start. Existing self-loops keep their weight (the last one
+    delays every command's start. Existing self-loops keep their weight (the last one
     for a node with several), the other nodes get weight 1; then w_ij = d_i^-1/2 w_ij d_j^-1/2
     with d the weighted in-degree. edge_index [2, E] (source, target), edge_weight [E]
     -> (edge_index [2, E'], weight [E'])"""

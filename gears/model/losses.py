@@ -27,7 +27,8 @@ def _group_weights(
 
 def abs_pow(d: torch.Tensor, power: float) -> torch.Tensor:
     """|d|^power. GEARS's default power 4 (gamma = 2) as (d^2)^2: pow with exponent 4 takes
-    CPU's generic std::pow path, ~12x slower than two squares (measured on [32, 1000])."""
+    CPU's generic std::pow path, far slower than two squares on [32, 1000] (measured in
+    benchmarks/README.md, finding 11)."""
     return d.square().square() if power == 4.0 else d.abs().pow(power)
 
 

@@ -157,8 +157,8 @@ class GEARSReference(nn.Module):
         coexpress_edge_weight: torch.Tensor,
     ):
         # PyG's own normalisation, so the oracle shares no code with the fast model's
-        # (kernels.gcn_normalised_csr). Imported here: PyG's import pulls in torch._dynamo (~1.5 s
-        # of every command's start) and only this class needs it.
+        # (kernels.gcn_normalised_csr). Imported here: PyG's import pulls in torch._dynamo (which
+        # delays every command's start) and only this class needs it.
         from torch_geometric.nn.conv.gcn_conv import gcn_norm
         from torch_geometric.utils import coalesce
 

@@ -24,8 +24,8 @@ from gears.model.kernels import gather_rows
 
 # Deduplication (one row per distinct perturbation, batch-norm weighted by multiplicity) pays
 # when it removes many rows; when it removes few, one row per cell takes the native batch-norm
-# kernel with the same statistics and is faster (bf16 random batches: 110 -> 70 ms per step at
-# 1,000 genes, benchmarks/README.md finding 4). The rule: one row per cell when the distinct
+# kernel with the same statistics and is faster (bf16 random batches at 1,000 genes, measured in
+# benchmarks/README.md, finding 4). The rule: one row per cell when the distinct
 # rows exceed this fraction of the cells.
 CELL_ROWS_ABOVE_FRACTION = 0.75
 
