@@ -39,9 +39,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from gears.checkpoint import atomic_write
 from gears.choices import SPLIT_TYPES
 from gears.errors import GearsInputError
+from gears.io import atomic_write
 
 SIMULATION_SUBGROUPS = ("combo_seen0", "combo_seen1", "combo_seen2", "unseen_single")
 _SET_NAMES = ("train", "val", "test")

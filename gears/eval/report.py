@@ -101,7 +101,7 @@ def matched_scores(scored: dict[str, dict]) -> dict:
 
     scored: predictor -> `Evaluator.full` output ("conditions", "per_condition"), gears included.
     Returns {predictor: {"conditions": [...], "scores": {predictor: {metric: mean}}}}."""
-    from gears.metrics import summarize
+    from gears.train.metrics import summarize
 
     n_gears = len(scored["gears"]["conditions"])
     out = {}

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from gears import checkpoint as ckpt
 from gears.errors import GearsInputError
+from gears.io import atomic_write
 from gears.model.contract import declared_covariates
 
 SUMMARY_FILE = "contexts.json"  # context -> its run folder and model, for predict.py
@@ -132,8 +132,8 @@ def run_contexts(cfg, env, pert_data, *, load, prepare, run_one) -> dict | None:
 
     pert_data: the whole data (not split), or None to load it with load(cfg, env);
     prepare(view, cfg) splits a context's view and builds its graphs; run_one(cfg, env,
-    pert_data=view) trains and scores it (gears.run passes its own; this module imports
-    nothing of gears.run, which dispatches here)."""
+    pert_data=view) trains and scores it (gears.cli.job passes its own; this module imports
+    nothing of gears.cli.job, which dispatches here)."""
     if env.world_size > 1:
         raise GearsInputError(
             "data.context_key trains one model per context, one after another, in one "
@@ -141,11 +141,11 @@ def run_contexts(cfg, env, pert_data, *, load, prepare, run_one) -> dict | None:
             "data.subset={<context column>: <context>} and data.context_key=null"
         )
     if cfg.eval.cell_eval:
-        from gears.predict import require_cell_eval
+        from gears.eval.predicted_cells import require_cell_eval
 
         require_cell_eval()
     if cfg.eval.cell_eval2:
-        from gears.vcc2026 import require_cell_eval2
+        from gears.eval.vcc2026 import require_cell_eval2
 
         require_cell_eval2()  # before any context trains
     out = Path(cfg.out_dir)
@@ -195,13 +195,13 @@ def _write_summary(cfg, out: Path, per_context: dict, folders: dict[str, str]) -
     summary = summarize(cfg.data.context_key, per_context)
     summary["folders"] = dict(folders)
     text = json.dumps(summary, indent=1)
-    ckpt.atomic_write(out / "metrics.json", lambda tmp: tmp.write_text(text))
+    atomic_write(out / "metrics.json", lambda tmp: tmp.write_text(text))
     index = {
         "context_key": cfg.data.context_key,
         "contexts": {name: f"{folders[name]}/model" for name in per_context},
     }
     index_text = json.dumps(index, indent=1)
-    ckpt.atomic_write(out / SUMMARY_FILE, lambda tmp: tmp.write_text(index_text))
+    atomic_write(out / SUMMARY_FILE, lambda tmp: tmp.write_text(index_text))
     return summary
 
 

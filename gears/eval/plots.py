@@ -26,7 +26,7 @@ def run_title(
 ) -> str:
     """What a plot names so it stands alone: the run (out_dir's name), the context if any, the
     model (network class). context_run: out_dir is one context's folder of a run that trains
-    one model per context (gears.contexts), so the run is its parent folder."""
+    one model per context (gears.cli.contexts), so the run is its parent folder."""
     out = Path(out_dir)
     parts = [f"run {out.parent.name if context_run else out.name}"]
     if context is not None:
@@ -104,7 +104,7 @@ def plot_history(
 def _save(fig, save_file: str | Path) -> None:
     """savefig through a temp file and a rename (a full disk leaves no partial PNG, and an
     error line instead of a traceback), then close the figure."""
-    from gears.checkpoint import atomic_write
+    from gears.io import atomic_write
 
     try:
         atomic_write(save_file, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
@@ -121,10 +121,10 @@ PLOT_BASELINES = {
 
 def split_baselines(pert_data, condition: str) -> dict[str, np.ndarray]:
     """The PLOT_BASELINES predictions of one condition from pert_data's split (as
-    gears.baselines forms them): name -> [genes] mean profile; additive only where it can be
+    gears.eval.baselines forms them): name -> [genes] mean profile; additive only where it can be
     formed, nothing without a training perturbation."""
-    from gears.baselines import additive_predictions
     from gears.data.conditions import CTRL
+    from gears.eval.baselines import additive_predictions
 
     train = [c for c in (getattr(pert_data, "set2conditions", None) or {}).get("train", [])]
     train = [c for c in train if c != CTRL and c in pert_data.cond_to_id]

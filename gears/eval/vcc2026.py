@@ -32,9 +32,9 @@ import numpy as np
 import pandas as pd
 import scipy.sparse as sp
 
-from gears.counts import raw_counts
 from gears.data.conditions import CTRL, condition_genes
 from gears.errors import GearsInputError
+from gears.eval.counts import raw_counts
 
 PRESET = "vcc2026"
 DE_BACKEND = "pdex"  # a CPU engine: 'auto' picks gpudge on a CUDA host, or refuses without it
@@ -69,7 +69,7 @@ def require_scorable(cfg, network, per_context: bool) -> None:
     """eval.cell_eval2 scores one context's model at a time, its test cells turned into cells
     as predict.py writes them (a saved control cell plus its perturbation's change): one model
     across contexts, or a network that reads the control cell or covariates, is refused before
-    training, by name. per_context: gears.contexts.one_model_per_context(cfg)."""
+    training, by name. per_context: gears.cli.contexts.one_model_per_context(cfg)."""
     from gears.model.batch import declared_covariates, reads_x
 
     if reads_x(network) or declared_covariates(network):
@@ -353,9 +353,9 @@ def test_split_scores(
     eval.counts_sampler at the real perturbation's median depth (what the challenge's counts
     file gives). A baseline that does not predict every test perturbation (additive on
     singles) is left out, named under "not_scored"."""
-    from gears.evaluate import predict_deltas
-    from gears.model_folder import MAX_SAVED_CONTROL_CELLS, control_sample_rows
-    from gears.predict import CountsSpec, prediction_adata
+    from gears.eval.predicted_cells import CountsSpec, prediction_adata
+    from gears.train.evaluate import predict_deltas
+    from gears.train.saved_model import MAX_SAVED_CONTROL_CELLS, control_sample_rows
 
     require_cell_eval2()
     t0 = time.perf_counter()
@@ -420,7 +420,7 @@ def test_split_scores(
             not_scored[name] = "does not predict every test perturbation"
             continue
         if spec is not None and spec.sampler == "nb":
-            from gears.predict import counts_spec
+            from gears.eval.predicted_cells import counts_spec
 
             info = {"normalize_target_sum": spec.target_sum}
             controls.obs["library_size"] = spec.library_size

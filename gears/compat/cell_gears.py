@@ -575,7 +575,7 @@ def vocabulary_of_data(
     import anndata as ad
 
     from gears.data.graphs import read_gene2go
-    from gears.model_folder import SavedVocabulary
+    from gears.train.saved_model import SavedVocabulary
 
     if isinstance(adata, str | Path):
         if not Path(adata).is_file():

@@ -9,7 +9,6 @@ import torch
 from gears.choices import CHOICES
 from gears.data.conditions import CTRL
 from gears.device import to_device, to_host
-from gears.distributed import DistEnv, all_gather_objects
 from gears.errors import GearsInputError
 from gears.model.batch import (
     ModelBatch,
@@ -18,6 +17,7 @@ from gears.model.batch import (
     reads_x,
     split_output,
 )
+from gears.train.distributed import DistEnv, all_gather_objects
 
 EVAL_CHUNK = 64  # conditions per forward; fixed so results do not depend on the world size
 EVAL_PAIRING_EPOCH = 0  # evaluation pairs each cell with the control drawn for epoch 0
@@ -42,7 +42,8 @@ def predict_deltas(
     it declares; x: for a network that reads x, each row's control cell, [N, G] or a function
     of row positions giving their [n, G] rows. -> change [N, G] float64 (logvar [N, G] or
     None). Chunks of EVAL_CHUNK rows are dealt round-robin to ranks and gathered, so every rank
-    gets the full, identical result. runner: a ForwardRunner of this network (gears/graph_step.py,
+    gets the full, identical result. runner: a ForwardRunner of this network
+    (gears/train/graph_step.py,
     train.cuda_graphs) runs each chunk, EVAL_CHUNK rows padded, as a replayed graph; the same
     numbers to float rounding (tests/test_graph_eval.py).
     """
@@ -140,7 +141,7 @@ class Evaluator:
         self.control_mean = control_mean
         self.categories = dict(categories or {})
         self._cache: dict = {}
-        # A ForwardRunner of `net` (gears/graph_step.py): set by the Trainer with
+        # A ForwardRunner of `net` (gears/train/graph_step.py): set by the Trainer with
         # train.cuda_graphs on; predict_deltas then runs it (None: eager forwards).
         self.forward_runner = None
 
@@ -299,7 +300,7 @@ class Evaluator:
         pred_mean [C, G] scores given predictions (baselines) instead of the network's.
         Returns {"per_condition": {metric: [C]}, "summary": {"overall": ..., subgroup: ...}}.
         """
-        from gears import metrics
+        from gears.train import metrics
 
         view = self.set_view(set_name)
         if pred_mean is None:
