@@ -15,7 +15,9 @@ from typing import Any
 import yaml
 
 from gears.choices import CHOICES, DEFAULT_SAMPLER
+from gears.data.synthetic import make_synthetic
 from gears.errors import GearsInputError
+from gears.io import atomic_write
 
 
 @dataclass
@@ -218,8 +220,6 @@ class Config:
 
     def save(self, path: str | Path) -> None:
         """Write config.yaml atomically (a crash leaves the old file or the new one)."""
-        from gears.io import atomic_write
-
         text = yaml.safe_dump(self.to_dict(), sort_keys=False)
         atomic_write(path, lambda tmp: tmp.write_text(text))
 
@@ -588,8 +588,6 @@ def _check(cfg: Config) -> None:
             )
     if not cfg.data.synthetic:
         return
-    from gears.data.synthetic import make_synthetic
-
     known = set(inspect.signature(make_synthetic).parameters)
     unknown = sorted(set(cfg.data.synthetic) - known)
     if unknown:

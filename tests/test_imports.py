@@ -205,3 +205,51 @@ def test_the_default_config_path_survives_a_move():
     from gears.cli.job import DEFAULT_CONFIG
 
     assert DEFAULT_CONFIG == ROOT / "configs" / "default.yaml" and DEFAULT_CONFIG.exists()
+
+
+def local_imports_without_reason(root: Path) -> list[str]:
+    """`file:line` of every import of a package module inside a function (or class body) with no
+    comment on its line or the line above: an import goes to the module's top unless a cycle or
+    the start-up time forces otherwise, and then the comment says which."""
+    found = []
+    for path in sorted((root / "gears").rglob("*.py")):
+        text = path.read_text()
+        lines = ["", *text.splitlines()]  # 1-based
+        nested = [
+            node
+            for scope in ast.walk(ast.parse(text))
+            if isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            for node in ast.walk(scope)
+            if isinstance(node, (ast.Import, ast.ImportFrom))
+        ]
+        for node in nested:
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                names = [alias.name for alias in node.names]
+            if not any(n == "gears" or n.startswith("gears.") for n in names):
+                continue
+            here, above = lines[node.lineno], lines[node.lineno - 1]
+            if not (_reason(here) or above.strip().startswith("#") and _reason(above)):
+                found.append(f"{path.relative_to(root)}:{node.lineno}")
+    return sorted(set(found))
+
+
+def _reason(line: str) -> bool:
+    """A comment on the line that is more than a linter's noqa."""
+    comment = line.partition("#")[2].strip()
+    return bool(comment) and not comment.startswith("noqa")
+
+
+def test_package_imports_stand_at_the_top_or_say_why_not():
+    assert local_imports_without_reason(ROOT) == []
+
+
+def test_the_local_import_finder_finds_one_without_a_reason(tmp_path):
+    (tmp_path / "gears").mkdir()
+    (tmp_path / "gears" / "a.py").write_text(
+        "import os\n\n\ndef f():\n    from gears import b\n\n\n"
+        "def g():\n    # local: a cycle with gears.b\n    from gears import b\n\n\n"
+        "def h():\n    import numpy\n"
+    )
+    assert local_imports_without_reason(tmp_path) == ["gears/a.py:5"]

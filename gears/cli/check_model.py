@@ -37,7 +37,9 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
-from gears.config import Config, TrainConfig
+from gears.cli.job import DEFAULT_CONFIG, load_pert_data
+from gears.compat.api import GEARS
+from gears.config import Config, TrainConfig, load_config
 from gears.model import NETWORKS, GEARSNet, is_class_spec
 from gears.model.batch import ModelBatch, predicted_expression, split_output
 from gears.model.contract import declared_covariates, per_cell_rows, reads_x
@@ -253,9 +255,6 @@ def check_model(cfg: Config, pert_data=None, batches: int = 2, tol: float = TOLE
     network and that one with its weights (float64), `batches` training batches of random and
     of grouped batching through Trainer.loss_on (the engine's row layouts for each, and the
     weighted one), then one in evaluation mode."""
-    from gears.cli.job import load_pert_data
-    from gears.compat.api import GEARS
-
     env = DistEnv()
     pert_data = pert_data or load_pert_data(cfg, env)
     report = Report(tol=tol)
@@ -542,9 +541,6 @@ def _update(result: LayerResult, out_err, grad_err, where: str, tol: float) -> N
 
 
 def main(argv: list[str] | None = None) -> int:
-    from gears.cli.job import DEFAULT_CONFIG
-    from gears.config import load_config
-
     parser = argparse.ArgumentParser(
         prog="python -m gears.cli.check_model",
         description="Compare the fast network with the reference layer by layer.",

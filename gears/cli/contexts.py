@@ -15,8 +15,13 @@ from pathlib import Path
 
 import numpy as np
 
+from gears.data import splits
+from gears.data.conditions import CTRL
 from gears.errors import GearsInputError
+from gears.eval.predicted_cells import require_cell_eval
+from gears.eval.vcc2026 import require_cell_eval2
 from gears.io import atomic_write
+from gears.model import network_class
 from gears.model.contract import declared_covariates
 
 SUMMARY_FILE = "contexts.json"  # context -> its run folder and model, for predict.py
@@ -35,8 +40,6 @@ def one_model_per_context(cfg) -> bool:
         return False
     if cfg.data.context_models == "per_context":
         return True
-    from gears.model import network_class
-
     return not reads_context(network_class(cfg.model.impl))
 
 
@@ -89,9 +92,6 @@ def context_folders(contexts) -> dict[str, str]:
 def check_splittable(cfg, pert_data, contexts) -> None:
     """Split each context's conditions as its view will (cfg.split), before any context
     trains: a context that cannot be split is named now, not after the others have trained."""
-    from gears.data import splits
-    from gears.data.conditions import CTRL
-
     if pert_data.cell_context is None or pert_data.cell_condition is None:
         return
     split = cfg.split
@@ -141,12 +141,8 @@ def run_contexts(cfg, env, pert_data, *, load, prepare, run_one) -> dict | None:
             "data.subset={<context column>: <context>} and data.context_key=null"
         )
     if cfg.eval.cell_eval:
-        from gears.eval.predicted_cells import require_cell_eval
-
         require_cell_eval()
     if cfg.eval.cell_eval2:
-        from gears.eval.vcc2026 import require_cell_eval2
-
         require_cell_eval2()  # before any context trains
     out = Path(cfg.out_dir)
     if pert_data is None:

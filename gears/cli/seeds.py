@@ -16,7 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
+from gears.cli.job import config_from_args, parse_args, run
 from gears.errors import GearsInputError
+from gears.eval.baselines import BASELINES
+from gears.train.distributed import DistEnv, choose_device
 
 SUMMARY_METRICS = ("mse", "mse_de", "pearson_delta", "pearson_delta_de")
 
@@ -91,8 +94,6 @@ def summarize_seeds(results: dict[int, dict]) -> dict:
 
 
 def _ordered(models: set) -> list[str]:
-    from gears.eval.baselines import BASELINES
-
     rank = {m: i for i, m in enumerate(("gears", *BASELINES))}
     return sorted(models, key=lambda m: (rank.get(m, len(rank)), m))
 
@@ -203,9 +204,6 @@ def collect(root: Path) -> dict[int, dict]:
 def run_seeds(args, seeds: list[int]) -> dict:
     """Run the main job once per seed (in this process); rewrite the summary after each seed,
     so an interrupted series still leaves the summary of the seeds it finished."""
-    from gears.cli.job import config_from_args, run
-    from gears.train.distributed import DistEnv, choose_device
-
     base = config_from_args(args)
     root = Path(base.out_dir)
     title = f"{args.config or 'configs/default.yaml'} {' '.join(args.overrides)}".strip()
@@ -233,8 +231,6 @@ def run_seeds(args, seeds: list[int]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from gears.cli.job import parse_args
-
     def extra(parser):
         parser.add_argument("--seeds", default="1,2,3,4,5", help="split seeds, e.g. 1,2,3")
         parser.add_argument(

@@ -13,7 +13,10 @@ from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 from matplotlib.ticker import FuncFormatter, MaxNLocator, NullFormatter  # noqa: E402
 
+from gears.data.conditions import CTRL
 from gears.device import to_host  # noqa: E402
+from gears.eval.baselines import additive_predictions
+from gears.io import atomic_write
 
 # A loss that falls by less than this factor reads best on a linear axis; a log axis over a
 # narrow range labels its ticks as 8.2x10^0.
@@ -104,8 +107,6 @@ def plot_history(
 def _save(fig, save_file: str | Path) -> None:
     """savefig through a temp file and a rename (a full disk leaves no partial PNG, and an
     error line instead of a traceback), then close the figure."""
-    from gears.io import atomic_write
-
     try:
         atomic_write(save_file, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     finally:
@@ -123,9 +124,6 @@ def split_baselines(pert_data, condition: str) -> dict[str, np.ndarray]:
     """The PLOT_BASELINES predictions of one condition from pert_data's split (as
     gears.eval.baselines forms them): name -> [genes] mean profile; additive only where it can be
     formed, nothing without a training perturbation."""
-    from gears.data.conditions import CTRL
-    from gears.eval.baselines import additive_predictions
-
     train = [c for c in (getattr(pert_data, "set2conditions", None) or {}).get("train", [])]
     train = [c for c in train if c != CTRL and c in pert_data.cond_to_id]
     if not train:

@@ -29,7 +29,14 @@ import pandas as pd
 import scipy.sparse as sp
 
 from gears.choices import DEFAULT_SAMPLER
-from gears.data.conditions import CTRL, canonical_condition, condition_genes
+from gears.data.conditions import (
+    CTRL,
+    canonical_condition,
+    canonicalize_conditions,
+    condition_genes,
+    detect_condition_key,
+)
+from gears.data.validate import gene_names_of
 from gears.errors import GearsInputError
 from gears.eval.counts import (
     MAX_COUNTS_PER_CELL,
@@ -41,6 +48,7 @@ from gears.eval.counts import (
     raw_counts,
     sample_rows,
 )
+from gears.io import writable_frame, writable_uns
 from gears.model.batch import declared_covariates, reads_x
 from gears.train.saved_model import (
     CONFIG_FILE,
@@ -678,8 +686,6 @@ def write_prediction(
     import h5py
     from anndata.io import write_elem
 
-    from gears.io import writable_frame, writable_uns
-
     _check_delta(delta, labels, controls)
     path = Path(path)
     plan = plan_cells(
@@ -920,9 +926,6 @@ def real_cells_for_scoring(
     """A real .h5ad (the data's layout) -> (real cells, pred cells) ready for cell-eval: real
     labels re-spelled as the prediction's, genes in the model's order, raw counts normalised as
     in training, both restricted to the perturbations they share (plus control)."""
-    from gears.data.conditions import canonicalize_conditions, detect_condition_key
-    from gears.data.validate import gene_names_of
-
     path = Path(path)
     if not path.is_file():
         raise GearsInputError(f"--real file {path} does not exist")

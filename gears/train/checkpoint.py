@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from gears.device import to_host
 from gears.errors import GearsInputError
 from gears.io import CHECKPOINT_NAME, atomic_write
 
@@ -357,8 +358,6 @@ def run_fingerprint(
     split PertData. graph_buffers: the network's graph buffers by name (on any device).
     Costs one read of SAMPLED_CELLS cells; small values are kept as they are, tables as
     16-hex hashes."""
-    from gears.device import to_host
-
     X = pert_data.expr.numpy()  # the host copy (dense array or CSR), never a device read
     n_cells = X.shape[0]
     sample = np.unique(np.linspace(0, max(n_cells - 1, 0), SAMPLED_CELLS).astype(np.int64))

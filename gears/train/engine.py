@@ -54,6 +54,7 @@ from gears.train.distributed import (
 )
 from gears.train.evaluate import EVAL_CHUNK, Evaluator
 from gears.train.faults import FaultPlan
+from gears.train.graph_step import EpochPlan, ForwardRunner, PlanUnsupported, StepRunner
 from gears.train.state import (  # noqa: F401 (rng_state, set_rng_state: re-exported)
     History,
     TrainState,
@@ -610,8 +611,6 @@ class Trainer:
             return None
         if self.runner is not None and self.runner.plan.loader is loader:
             return self.runner
-        from gears.train.graph_step import EpochPlan, ForwardRunner, PlanUnsupported, StepRunner
-
         why = planned_step_refusal(self, loader)
         plan = None
         if why is None:

@@ -8,6 +8,7 @@ import torch
 
 from gears.choices import CHOICES
 from gears.data.conditions import CTRL
+from gears.data.covariates import cell_codes
 from gears.device import to_device, to_host
 from gears.errors import GearsInputError
 from gears.model.batch import (
@@ -17,6 +18,7 @@ from gears.model.batch import (
     reads_x,
     split_output,
 )
+from gears.train import metrics
 from gears.train.distributed import DistEnv, all_gather_objects
 
 EVAL_CHUNK = 64  # conditions per forward; fixed so results do not depend on the world size
@@ -201,8 +203,6 @@ class Evaluator:
 
     def cell_covariates(self, names: tuple[str, ...]) -> dict[str, np.ndarray]:
         """Each cell row's code [cells] per covariate, against the model's categories."""
-        from gears.data.covariates import cell_codes
-
         missing = [n for n in names if n not in self.categories]
         if missing:
             raise GearsInputError(
@@ -300,8 +300,6 @@ class Evaluator:
         pred_mean [C, G] scores given predictions (baselines) instead of the network's.
         Returns {"per_condition": {metric: [C]}, "summary": {"overall": ..., subgroup: ...}}.
         """
-        from gears.train import metrics
-
         view = self.set_view(set_name)
         if pred_mean is None:
             pred_mean = self.predict_means(set_name, net)
