@@ -9,8 +9,9 @@ FILE: one perturbation a line; LIST: comma-separated; spelled as the training da
 (target_gene or target, n_cells, median_umi_per_cell); without --perturbations it predicts every
 row. --output lognorm (default) writes log-normalised expression; --output counts writes integer
 counts (the 2026 challenge), drawn by --sampler at the control cells' depth or at the CSV's
-median_umi_per_cell (gears/counts.py). The control cells come from the model folder (a sample
-saved with the model; see gears/predict.py). --trust-model-code: a model folder whose config.json
+median_umi_per_cell (gears/eval/counts.py). The control cells come from the model folder (a sample
+saved with the model; see gears/eval/predicted_cells.py). --trust-model-code: a model folder whose
+config.json
 names a fork's class (model.impl=file.py:Class) runs that file, kept in the folder, only with this
 flag; read the file first. --real scores a log-normalised prediction with
 cell-eval's vcc profile and writes <out>.metrics.json.
@@ -32,9 +33,9 @@ import argparse
 import json
 from pathlib import Path
 
-from gears.counts import DEFAULT_SAMPLER, SAMPLERS
+from gears.choices import DEFAULT_SAMPLER, SAMPLERS
+from gears.cli.job import command
 from gears.errors import GearsInputError
-from gears.run import command
 
 
 def parse_args(argv=None):
@@ -85,7 +86,10 @@ def parse_args(argv=None):
         "--sampler",
         choices=SAMPLERS,
         default=DEFAULT_SAMPLER,
-        help=f"--output counts: how counts are drawn (default {DEFAULT_SAMPLER}; gears/counts.py)",
+        help=(
+            f"--output counts: how counts are drawn (default {DEFAULT_SAMPLER}; "
+            "gears/eval/counts.py)"
+        ),
     )
     parser.add_argument("--real", help="real .h5ad to score against with cell-eval (vcc profile)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the control-cell draws")
@@ -103,8 +107,8 @@ def parse_args(argv=None):
 def model_folders(model: Path, out: Path) -> list[tuple[Path, Path]]:
     """(model folder, output file) pairs: one for a model folder; for a run with one model per
     context (its contexts.json), each context's model and <out stem>_<folder>.h5ad, where
-    folder is the context's safe name (gears.contexts.context_folder, as the run's folders)."""
-    from gears.contexts import SUMMARY_FILE, context_folders
+    folder is the context's safe name (gears.cli.contexts.context_folder, as the run's folders)."""
+    from gears.cli.contexts import SUMMARY_FILE, context_folders
 
     index = model / SUMMARY_FILE
     if not index.is_file():
@@ -131,8 +135,8 @@ def model_folders(model: Path, out: Path) -> list[tuple[Path, Path]]:
 def check_counts_contexts(model: Path, counts: str | None) -> None:
     """A --counts file with a context column must name only contexts the run has a model of
     (each context's model reads its own rows): any other row would be left unpredicted."""
-    from gears.contexts import SUMMARY_FILE
-    from gears.predict import counts_contexts
+    from gears.cli.contexts import SUMMARY_FILE
+    from gears.eval.predicted_cells import counts_contexts
 
     index = model / SUMMARY_FILE
     if counts is None or not index.is_file():
@@ -149,7 +153,7 @@ def check_counts_contexts(model: Path, counts: str | None) -> None:
 
 
 def main(argv=None):
-    from gears.predict import (
+    from gears.eval.predicted_cells import (
         MAX_CELLS_PER_PERTURBATION,
         MAX_PREDICTED_CELLS,
         check_output_path,
@@ -192,11 +196,11 @@ def main(argv=None):
 
 def predict_one(args, folder: Path, out: Path):
     """predict.py for one model folder, written to out."""
-    from gears.predict import (
+    from gears.compat.pretrained import load_model
+    from gears.eval.predicted_cells import (
         DEFAULT_CELLS_PER_PERTURBATION,
         MAX_PREDICTED_CELLS,
         cell_eval_scores,
-        load_model,
         predict_cells,
         print_cell_eval_table,
         read_counts,

@@ -59,7 +59,7 @@ gpus=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null
 [ "$gpus" -gt 0 ] 2>/dev/null || gpus=1
 NPROC_PER_NODE="${NPROC_PER_NODE:-$gpus}"
 if [[ "${SLURM_JOB_ID:-}" =~ ^[0-9]+$ ]]; then
-  default_port=$((20000 + SLURM_JOB_ID % 20000))  # as gears.distributed.default_master_port
+  default_port=$((20000 + SLURM_JOB_ID % 20000))  # as gears.train.distributed.default_master_port
 else
   default_port=29500
 fi
@@ -79,7 +79,7 @@ launch() {  # launch NNODES NODE_RANK args...
 }
 
 # Inside a task of an srun step, or in the allocation itself (the batch script, or salloc's shell,
-# which runs in an "interactive" step): the same step ids as gears.distributed.in_srun_task.
+# which runs in an "interactive" step): the same step ids as gears.train.distributed.in_srun_task.
 step="${SLURM_STEP_ID:-${SLURM_STEPID:-}}"
 case "$step" in
   ""|batch|extern|interactive|429496729[0-5]) in_srun_task=0 ;;

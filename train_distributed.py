@@ -11,15 +11,15 @@ import os
 import sys
 
 # OpenMP waits spin while the CPUs are free and go short while other processes use them
-# (gears.runtime.WaitGovernor), unless the user chose: libgomp reads OMP_WAIT_POLICY and
+# (gears.train.runtime.WaitGovernor), unless the user chose: libgomp reads OMP_WAIT_POLICY and
 # GOMP_SPINCOUNT once, when torch loads, so the choice is read before importing gears.
 # mp.spawn's workers inherit it; torchrun's and srun's workers run this file themselves.
 if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
     os.environ["GEARS_OMP_WAITS"] = "governed"
     os.environ.setdefault("KMP_BLOCKTIME", "0")  # Intel OpenMP builds (no governor): no spinning
 
-from gears.run import command, config_from_args, parse_args  # noqa: E402
-from gears.train_distributed import (  # noqa: E402
+from gears.cli.job import command, config_from_args, parse_args  # noqa: E402
+from gears.cli.launch import (  # noqa: E402
     batch_script_note,
     launched_externally,
     spawn,
@@ -48,7 +48,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from gears.runtime import govern_waits
+    from gears.train.runtime import govern_waits
 
     govern_waits()  # spinning OpenMP waits while the CPUs are free, short ones while not
     command(main)

@@ -3,14 +3,14 @@
 import os
 
 # OpenMP waits spin while the CPUs are free and go short while other processes use them
-# (gears.runtime.WaitGovernor), unless the user chose: libgomp reads OMP_WAIT_POLICY and
+# (gears.train.runtime.WaitGovernor), unless the user chose: libgomp reads OMP_WAIT_POLICY and
 # GOMP_SPINCOUNT once, when torch loads, so the choice is read before importing gears.
 if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
     os.environ["GEARS_OMP_WAITS"] = "governed"
     os.environ.setdefault("KMP_BLOCKTIME", "0")  # Intel OpenMP builds (no governor): no spinning
 
-from gears.distributed import DistEnv, choose_device  # noqa: E402
-from gears.run import command, config_from_args, parse_args, run  # noqa: E402
+from gears.cli.job import command, config_from_args, parse_args, run  # noqa: E402
+from gears.train.distributed import DistEnv, choose_device  # noqa: E402
 
 
 def main(argv=None):
@@ -27,7 +27,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from gears.runtime import govern_waits
+    from gears.train.runtime import govern_waits
 
     govern_waits()  # spinning OpenMP waits while the CPUs are free, short ones while not
     command(main)

@@ -74,8 +74,8 @@ def time_rank(env, args: argparse.Namespace, state_path: str, threads: int) -> d
     from bench_train import GROUP_CELLS, set_threads
 
     from gears.config import DistributedConfig, ModelConfig, TrainConfig
-    from gears.distributed import barrier
-    from gears.engine import Trainer
+    from gears.train.distributed import barrier
+    from gears.train.engine import Trainer
 
     state = torch.load(state_path, weights_only=False)
     pert_data, net = state["pert_data"], state["net"]
@@ -134,10 +134,10 @@ def worker(
     args: argparse.Namespace,
 ) -> None:
     """One rank of a `train_distributed.py --nproc N`-style launch."""
-    from gears.distributed import cleanup, init_distributed, release, set_local_rank_env
+    from gears.train.distributed import cleanup, init_distributed, release, set_local_rank_env
 
     set_local_rank_env(rank, world, port)
-    from gears.runtime import set_threads
+    from gears.train.runtime import set_threads
 
     set_threads(threads)
     env = init_distributed("cpu", "gloo", timeout_s=300)
@@ -150,13 +150,13 @@ def worker(
         env = release(env)  # the project's teardown order (barrier, collect, yield, destroy)
     finally:
         cleanup(env)
-    from gears.exiting import exit_quickly
+    from gears.cli.exiting import exit_quickly
 
     exit_quickly(0)  # this rank is done: it exits whatever threads a library left running
 
 
 def run_config(world: int, threads: int, state: Path, tmp: Path, args) -> dict:
-    from gears.distributed import find_free_port
+    from gears.train.distributed import find_free_port
 
     os.environ["OMP_NUM_THREADS"] = str(threads)
     os.environ["MKL_NUM_THREADS"] = str(threads)
@@ -243,6 +243,6 @@ def main(args) -> None:
 
 
 if __name__ == "__main__":
-    from gears.exiting import run_and_exit  # exits once done, whatever threads are left
+    from gears.cli.exiting import run_and_exit  # exits once done, whatever threads are left
 
     run_and_exit(lambda: main(ARGS))

@@ -8,7 +8,8 @@ python benchmarks/bench_load.py --passive --genes 1000 --epochs 2 --json waits.j
 
 Each run is a fresh `python train_single.py` (1 rank) or `python train_distributed.py --nproc 2`
 (2 ranks) on the default synthetic screen, with the environment a user has: no OMP_NUM_THREADS,
-OMP_WAIT_POLICY or GOMP_SPINCOUNT, so the entry points choose (gears/runtime.py). "busy" starts
+OMP_WAIT_POLICY or GOMP_SPINCOUNT, so the entry points choose (gears/train/runtime.py). "busy"
+starts
 one `python -c "while True: pass"` beside the run and stops it after; "idle" starts nothing, so
 an idle figure is only as idle as the machine (the JSON records the load). Runs are interleaved:
 every repeat runs every arm under every load, in an order rotated from repeat to repeat, so a
@@ -20,7 +21,8 @@ name: beside a busy core, default / `train.threads=1` (at most 1.5); idle, `trai
 default (the second core's gain); and each arm's busy / idle. `--spinning` adds the behaviour
 before passive waits (GOMP_SPINCOUNT=300000, libgomp's default; 2 ranks with every core each);
 `--passive` adds passive waits (OMP_WAIT_POLICY=PASSIVE, the default before the governed waits
-of gears.runtime.WaitGovernor). Training cells/s (metrics.json) are reported beside wall times.
+of gears.train.runtime.WaitGovernor). Training cells/s (metrics.json) are reported beside wall
+times.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from provenance import provenance  # noqa: E402
 
-from gears.runtime import usable_cores  # noqa: E402
+from gears.train.runtime import usable_cores  # noqa: E402
 
 # Thread and wait settings a user's shell may hold; each arm starts without them.
 THREAD_VARS = (
@@ -316,6 +318,6 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    from gears.exiting import run_and_exit  # exits once done, whatever threads are left
+    from gears.cli.exiting import run_and_exit  # exits once done, whatever threads are left
 
     run_and_exit(main)

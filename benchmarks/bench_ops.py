@@ -10,7 +10,7 @@ time in eager mode), so a step's op count bounds its speed whatever the arithmet
 precision the device supports (fp32 and bf16; fp16 on CUDA), eager and compiled
 (train.compile), random and grouped batching, this runs Trainer.train_epoch on real loader
 batches and counts each step's ops by phase (loader, forward, loss, backward, optimizer,
-bookkeeping) with gears.opcount: eager steps with a TorchDispatchMode (every aten op that
+bookkeeping) with opcount: eager steps with a TorchDispatchMode (every aten op that
 reaches a kernel, forward and backward; views excluded: they launch nothing), compiled ones
 with torch.profiler (top-level aten ops, views excluded, plus the kernels Inductor generated;
 under a TorchDispatchMode a compiled graph runs eagerly). Counts do not depend on the machine's
@@ -75,9 +75,8 @@ import torch._inductor.config  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from opcount import PHASES, count_epoch  # noqa: E402
 from provenance import provenance  # noqa: E402
-
-from gears.opcount import PHASES, count_epoch  # noqa: E402
 
 # Inductor's CPU kernels are recorded by the profiler only when compiled with this on.
 torch._inductor.config.cpp.enable_kernel_profile = True
@@ -112,8 +111,8 @@ def configuration(pert_data, net0, args, device, precision, compiled, batching, 
     """One configuration's steady-state counts: {phase: mean ops}, the total's mean and max,
     the commonest ops, distinct perturbations per batch and the row layouts chosen."""
     from gears.config import ModelConfig, TrainConfig
-    from gears.distributed import DistEnv
-    from gears.engine import Trainer
+    from gears.train.distributed import DistEnv
+    from gears.train.engine import Trainer
 
     # fp16 on a CPU (--gpu-kernels): fp16 autocast and a CPU GradScaler (the config refuses it)
     cpu_fp16 = precision == "fp16" and device.type != "cuda"
@@ -149,7 +148,7 @@ def configuration(pert_data, net0, args, device, precision, compiled, batching, 
     phases = {p: statistics.mean(s[p] for s in steps) for p in PHASES}
     top = []
     if args.top and not compiled:
-        from gears.opcount import OpCounter
+        from opcount import OpCounter
 
         counter = OpCounter()
         with counter:
@@ -175,8 +174,8 @@ def configuration(pert_data, net0, args, device, precision, compiled, batching, 
 
 
 def main(args) -> dict:
-    from gears.api import GEARS
-    from gears.runtime import set_threads
+    from gears.compat.api import GEARS
+    from gears.train.runtime import set_threads
 
     device = torch.device(args.device)
     if args.gpu_kernels:
@@ -280,6 +279,6 @@ def print_ratios(rows: list[dict]) -> None:
 
 
 if __name__ == "__main__":
-    from gears.exiting import run_and_exit  # exits once done, whatever threads are left
+    from gears.cli.exiting import run_and_exit  # exits once done, whatever threads are left
 
     run_and_exit(lambda: main(ARGS))

@@ -140,6 +140,6 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    from gears.exiting import run_and_exit  # exits once done, whatever threads are left
+    from gears.cli.exiting import run_and_exit  # exits once done, whatever threads are left
 
     run_and_exit(main)

@@ -314,10 +314,16 @@ def child_train(args, work: Path) -> dict | None:
     """One rank: open the store, build GEARS, warm up, time `steps` DDP steps."""
     import torch
 
-    from gears.api import GEARS
+    from gears.compat.api import GEARS
     from gears.config import TrainConfig
-    from gears.distributed import DistEnv, barrier, cleanup, init_distributed, set_local_rank_env
-    from gears.engine import Trainer
+    from gears.train.distributed import (
+        DistEnv,
+        barrier,
+        cleanup,
+        init_distributed,
+        set_local_rank_env,
+    )
+    from gears.train.engine import Trainer
 
     torch.set_num_threads(args.threads)
     world = args.nproc if args.store_mode == "mmap" else 1
@@ -361,11 +367,11 @@ def child_memory_table(args) -> dict:
     """Peak RSS of forward + backward + Adam steps of the network at one batch size."""
     import torch
 
-    from gears.api import GEARS
+    from gears.compat.api import GEARS
     from gears.config import ModelConfig, TrainConfig
     from gears.data.pertdata import PertData
-    from gears.distributed import DistEnv
-    from gears.engine import Trainer
+    from gears.train.distributed import DistEnv
+    from gears.train.engine import Trainer
 
     torch.set_num_threads(args.threads)
     work = Path(args.workdir)
@@ -491,7 +497,7 @@ def pss_kb(pid: int) -> tuple[int, int]:
 
 def run_ranks(args, work: Path) -> dict:
     """Launch the ranks, sample their PSS until they exit -> rank 0's result + memory peaks."""
-    from gears.distributed import find_free_port
+    from gears.train.distributed import find_free_port
 
     port = find_free_port()
     procs = [
@@ -676,6 +682,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from gears.exiting import run_and_exit  # exits once done, whatever threads are left
+    from gears.cli.exiting import run_and_exit  # exits once done, whatever threads are left
 
     run_and_exit(main)

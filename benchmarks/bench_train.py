@@ -82,14 +82,14 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
-from gears.runtime import tune_allocator  # noqa: E402
+from gears.train.runtime import tune_allocator  # noqa: E402
 
 
 # --------------------------------------------------------------------------------------- data
 def set_threads(threads: int) -> None:
     """Pin torch's (and numba's) threads with the project's helper, and check that nothing
     changed them behind our back."""
-    from gears.runtime import set_threads as pin_threads
+    from gears.train.runtime import set_threads as pin_threads
 
     if pin_threads(threads) != threads:
         raise RuntimeError(f"torch runs {torch.get_num_threads()} threads, asked for {threads}")
@@ -114,7 +114,7 @@ def build_data(args, data_dir: Path):
 
 
 def build_net(pert_data, hidden: int) -> torch.nn.Module:
-    from gears.api import GEARS
+    from gears.compat.api import GEARS
 
     torch.manual_seed(0)
     return GEARS(pert_data, device="cpu").model_initialize(hidden_size=hidden).model
@@ -159,7 +159,7 @@ def bare_runner(genes: int, hidden: int, rows: int, precision: str, steps: int =
     and CUDA), so the bound is no slower than the engine where both do the same work; fp16
     (CUDA) steps through a GradScaler, as the engine's do. On CUDA the closure does not
     synchronise: the caller times it between synchronisations."""
-    from gears.engine import autocast_dtype, optimizer_kernel
+    from gears.train.engine import autocast_dtype, optimizer_kernel
 
     device = torch.device(device)
     torch.manual_seed(0)
@@ -191,8 +191,8 @@ def make_trainer(
     """The engine's Trainer and training loader for one configuration. On CUDA the loader keeps
     the expression matrix on the GPU when it fits (the path train_single.py takes)."""
     from gears.config import ModelConfig, TrainConfig
-    from gears.distributed import DistEnv
-    from gears.engine import Trainer
+    from gears.train.distributed import DistEnv
+    from gears.train.engine import Trainer
 
     device = torch.device(device)
     cfg = TrainConfig(
@@ -351,8 +351,8 @@ def per_cell_means(pert_data, net, cond_ids) -> tuple[torch.Tensor, int]:
 
 
 def evaluation_comparison(pert_data, net) -> dict:
-    from gears.distributed import DistEnv
-    from gears.evaluate import Evaluator
+    from gears.train.distributed import DistEnv
+    from gears.train.evaluate import Evaluator
 
     # Paired controls, like per-cell evaluation, so the two give the same means.
     ev = Evaluator(pert_data, DistEnv(), net, control_mean="paired")
@@ -777,6 +777,6 @@ def main(args) -> None:
 
 
 if __name__ == "__main__":
-    from gears.exiting import run_and_exit  # exits once done, whatever threads are left
+    from gears.cli.exiting import run_and_exit  # exits once done, whatever threads are left
 
     run_and_exit(lambda: main(ARGS))

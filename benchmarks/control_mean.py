@@ -22,10 +22,10 @@ if str(ROOT) not in sys.path:
 
 
 def main(argv=None) -> dict:
-    from gears.distributed import DistEnv
-    from gears.evaluate import Evaluator
-    from gears.run import config_from_args, load_pert_data, parse_args
-    from gears.seeds import parse_seeds
+    from gears.cli.job import config_from_args, load_pert_data, parse_args
+    from gears.cli.seeds import parse_seeds
+    from gears.train.distributed import DistEnv
+    from gears.train.evaluate import Evaluator
 
     def extra(parser):
         parser.add_argument("--seeds", default="1,2,3,4,5", help="split seeds")
@@ -49,6 +49,6 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    from gears.exiting import run_and_exit  # exits once done, whatever threads are left
+    from gears.cli.exiting import run_and_exit  # exits once done, whatever threads are left
 
     run_and_exit(main)

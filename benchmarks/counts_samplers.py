@@ -2,7 +2,7 @@
 
     python benchmarks/counts_samplers.py --json benchmarks/results/counts_samplers.json
 
-Integer counts are drawn from a predicted log-normalised profile (gears/counts.py); the
+Integer counts are drawn from a predicted log-normalised profile (gears/eval/counts.py); the
 sampler decides only the noise the draw adds, so it is compared on predictions that do not
 depend on a model: for every perturbation of a synthetic 2026-layout screen (raw counts, two
 contexts), `observed` predicts its observed mean change (log-normalised mean minus the control
@@ -36,9 +36,9 @@ def real_and_predictions(view, samplers, draws: int, seed: int):
     import pandas as pd
     import scipy.sparse as sp
 
-    from gears.counts import raw_counts
-    from gears.predict import CountsSpec, counts_spec, prediction_adata
-    from gears.vcc2026 import _dense, _label
+    from gears.eval.counts import raw_counts
+    from gears.eval.predicted_cells import CountsSpec, counts_spec, prediction_adata
+    from gears.eval.vcc2026 import _dense, _label
 
     conditions = [c for c in view.conditions if c != "ctrl"]
     ids = np.array([view.cond_to_id[c] for c in conditions])
@@ -104,10 +104,10 @@ def main(argv=None) -> dict:
     p.add_argument("--work", default="/tmp/gears_counts_samplers")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    from gears.counts import SAMPLERS
+    from gears.choices import SAMPLERS
     from gears.data.pertdata import PertData
     from gears.data.synthetic import make_vcc2026_layout, write_gene2go_tsv
-    from gears.vcc2026 import MEMBERS, score_vcc2026
+    from gears.eval.vcc2026 import MEMBERS, score_vcc2026
 
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -178,6 +178,6 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    from gears.exiting import run_and_exit  # exits once done, whatever threads are left
+    from gears.cli.exiting import run_and_exit  # exits once done, whatever threads are left
 
     run_and_exit(main)

@@ -50,7 +50,7 @@ Stage speed: one check at a time (they time the GPU).
               distinct perturbations per batch.
   speed_b32   budget 75 s, limit 150 s. Training cells/s at batch 32: the engine eager in fp32
               and bf16 and compiled (train.compile) in bf16, and the planned step replayed as
-              CUDA graphs (train.cuda_graphs, gears/graph_step.py) in fp32, bf16 and compiled
+              CUDA graphs (train.cuda_graphs, gears/train/graph_step.py) in fp32, bf16 and compiled
               bf16, beside bench_train's bare per-cell layers bound in fp32 and bf16, timed
               alike on the same device: one warm-up call each (compiling and capturing, timed),
               then the median of interleaved blocks of steps, each between device
@@ -169,7 +169,8 @@ NORMAN_MIX = dict(genes=5000, singles=105, doubles=131, cells=(100, 300), contro
 QUICK_MIX = dict(genes=300, singles=105, doubles=131, cells=(10, 30), controls=500, distinct=8)
 # (label, train.precision, train.compile)
 # (label, precision, train.compile, train.cuda_graphs): eager steps, and the planned step
-# (gears/graph_step.py) replayed as CUDA graphs (on the CPU twin: the same step, not captured).
+# (gears/train/graph_step.py) replayed as CUDA graphs (on the CPU twin: the same step, not
+# captured).
 ENGINE_CONFIGS = (("eager fp32", "fp32", False, False), ("eager bf16", "bf16", False, False))
 ENGINE_CONFIGS += (("compiled bf16", "bf16", True, False),)
 ENGINE_CONFIGS += (("graphs fp32", "fp32", False, True), ("graphs bf16", "bf16", False, True))
@@ -354,7 +355,7 @@ def injected_fault(run: CheckRun) -> None:
 
 
 # ============================================================= host-sync watch
-# Which ops make the host wait is gears.opcount's (sync_kind; its SyncGuard refuses them in the
+# Which ops make the host wait is opcount's (sync_kind; its SyncGuard refuses them in the
 # training-step tests, tests/test_ops.py): this watch lists those that read a device tensor.
 
 
@@ -371,11 +372,12 @@ def _tensors(tree) -> list:
 
 
 def sync_reason(func, args: tuple, kwargs: dict) -> str | None:
-    """Why this aten op makes the host wait for the device (gears.opcount.sync_kind: a value
+    """Why this aten op makes the host wait for the device (opcount.sync_kind: a value
     read, an output size that is data, a copy to the host), or None; only when it reads a
     device tensor (CUDA's, or the stand-in's): on the host nothing waits."""
+    from opcount import sync_kind
+
     from gears.device import DeviceTensor
-    from gears.opcount import sync_kind
 
     why = sync_kind(func, args, kwargs)
     if why is None:
@@ -385,10 +387,10 @@ def sync_reason(func, args: tuple, kwargs: dict) -> str | None:
 
 
 def _project_call_site() -> str:
-    """The innermost line of the project's code (gears.opcount.project_line: not an installed
+    """The innermost line of the project's code (opcount.project_line: not an installed
     package's, even with the virtual environment inside the clone as .ci/run's is), not this
     file's and not the stand-in's."""
-    from gears.opcount import project_line
+    from opcount import project_line
 
     return project_line(skip=(__file__, ROOT / "gears" / "device.py"))
 
@@ -457,7 +459,7 @@ def child_run(spec: dict) -> int:
     evidence that it used the GPU) written to spec["probe"]."""
     import importlib
 
-    from gears.run import guarded
+    from gears.cli.job import guarded
 
     module = importlib.import_module(spec["script"])
     code = 0
@@ -583,8 +585,8 @@ def engine_runner(
     import itertools
 
     from gears.config import ModelConfig, TrainConfig
-    from gears.distributed import DistEnv
-    from gears.engine import Trainer
+    from gears.train.distributed import DistEnv
+    from gears.train.engine import Trainer
 
     cfg = TrainConfig(
         epochs=1,
@@ -695,7 +697,7 @@ def child_speed(spec: dict) -> dict:
     import torch
     from bench_train import bare_runner, build_net
 
-    from gears.runtime import tune_allocator
+    from gears.train.runtime import tune_allocator
 
     device = torch.device(spec["device"])
     tune_allocator()  # as bench_train and train_single.py
@@ -828,7 +830,7 @@ def cuda_sync_warnings(caught) -> list[str]:
 
 
 def row_layout_name(layout) -> str:
-    from gears.engine import CellRows, EqualRows, RepeatRows, WeightedRows
+    from gears.train.engine import CellRows, EqualRows, RepeatRows, WeightedRows
 
     names = {
         WeightedRows: "weighted rows",
@@ -846,12 +848,12 @@ def child_no_sync(spec: dict) -> dict:
 
     import torch
 
-    from gears.api import GEARS
+    from gears.compat.api import GEARS
     from gears.config import ModelConfig, TrainConfig
     from gears.data.pertdata import PertData
     from gears.device import HostReadError
-    from gears.distributed import DistEnv
-    from gears.engine import Trainer, set_train_mode
+    from gears.train.distributed import DistEnv
+    from gears.train.engine import Trainer, set_train_mode
 
     device = torch.device(spec["device"])
     pert_data = PertData(spec["data_dir"], verbose=False)
@@ -903,13 +905,13 @@ def child_no_sync(spec: dict) -> dict:
 
 
 def planned_no_sync(pert_data, net0, precision: str, device) -> dict:
-    """The planned step (train.cuda_graphs, gears/graph_step.py) called eagerly, not captured,
+    """The planned step (train.cuda_graphs, gears/train/graph_step.py) called eagerly, not captured,
     under the same watch: the step function a CUDA graph would hold makes no host sync."""
     import copy
 
     from gears.config import ModelConfig, TrainConfig
-    from gears.distributed import DistEnv
-    from gears.engine import Trainer, set_train_mode
+    from gears.train.distributed import DistEnv
+    from gears.train.engine import Trainer, set_train_mode
 
     cfg = TrainConfig(batch_size=32, precision=precision, cuda_graphs=True)
     trainer = Trainer(
@@ -966,13 +968,13 @@ def run_dir_problems(out: Path) -> list[str]:
 
 
 def saved_weights(out: Path) -> dict:
-    from gears import checkpoint as ckpt
+    from gears.train import checkpoint as ckpt
 
     return ckpt.load(out / "model" / "model.pt")["state_dict"]
 
 
 def last_step(out: Path) -> int:
-    from gears import checkpoint as ckpt
+    from gears.train import checkpoint as ckpt
 
     return ckpt.load(ckpt.list_checkpoints(out / "checkpoints")[-1])["step"]
 
@@ -1734,6 +1736,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from gears.exiting import run_and_exit  # exits once done, whatever threads are left
+    from gears.cli.exiting import run_and_exit  # exits once done, whatever threads are left
 
     run_and_exit(main)

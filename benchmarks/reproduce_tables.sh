@@ -18,7 +18,7 @@
 #   vs_cell_gears_large          docs/faithfulness.md, 1,000 x 6k and 2,000 x 20k  hours per seed
 #   reference_cost               docs/changing_the_model.md: fast vs reference, epoch time and
 #                                validation metrics (train_single.py, two runs each)
-#   check_model                  docs/changing_the_model.md: python -m gears.check_model's time
+#   check_model                  docs/changing_the_model.md: python -m gears.cli.check_model's time
 #   compare_contexts             docs/changing_the_model.md: the context fork against one model
 #                                per line, mcfaline23, 3 split seeds  ~30 min idle
 #   default_run                  docs/model_selection.md, README.md: the main job's wall time and
@@ -58,7 +58,7 @@ header() {  # header NAME COMMAND...
 seeds() {  # seeds NAME ARGS...
     local name=$1
     shift
-    local cmd=(python -m gears.seeds --seeds 1,2,3,4,5 "$@" train.threads=1 wandb.mode=disabled
+    local cmd=(python -m gears.cli.seeds --seeds 1,2,3,4,5 "$@" train.threads=1 wandb.mode=disabled
         "out_dir=$WORK/$name")
     "${cmd[@]}"
     header "$name" "${cmd[*]}"
@@ -133,10 +133,10 @@ for table in $TABLES; do
                 "out_dir=$WORK/reference_cost/fast_random_seed2"
             runs_table reference_cost "${runs[@]}" "$WORK/reference_cost/fast_random_seed2" ;;
         check_model)
-            header check_model "python -m gears.check_model"
+            header check_model "python -m gears.cli.check_model"
             log="$WORK/check_model.time"
             rm -f "$log"
-            timed "$log" python -m gears.check_model | tee -a "$RESULTS/check_model.md"
+            timed "$log" python -m gears.cli.check_model | tee -a "$RESULTS/check_model.md"
             cat "$log" >> "$RESULTS/check_model.md" ;;
         compare_contexts)
             # compare_contexts.py names its commit and command in its .json.

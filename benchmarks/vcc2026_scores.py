@@ -11,7 +11,7 @@ Runs, under --work (a step whose output is already there is not run again):
   - mcfaline23: configs/perturbench_mcfaline23.yaml one model per line (data.context_key
     cell_type, its per-line command) with eval.cell_eval2=true (log-normalised data:
     input_type lognorm, not the challenge's counts score).
-Each context's test split is scored as in every run (gears/vcc2026.py): each member raw and
+Each context's test split is scored as in every run (gears/eval/vcc2026.py): each member raw and
 rescaled, 0 = cell-eval2's mean-response baseline, 1 = its replicate anchor on the same cells.
 Needs requirements-eval.txt (cell-eval2, pdex) and its `cell-eval2` command on PATH.
 """
@@ -199,6 +199,6 @@ def main(argv=None) -> dict:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
-    from gears.exiting import run_and_exit  # exits once done, whatever threads are left
+    from gears.cli.exiting import run_and_exit  # exits once done, whatever threads are left
 
     run_and_exit(main)

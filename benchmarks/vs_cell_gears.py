@@ -19,7 +19,8 @@ What it does, per dataset:
    every epoch, best epoch by validation mse_de (ours: configs/gears_paper.yaml), `--epochs` each.
    cell-gears runs in its own virtual environment (created on first use, `--venv`) from a neutral
    working directory with `python -P`, so `import gears` finds it and not this project.
-4. Scores both tools' mean test predictions with gears.evaluate.Evaluator.full, twice: `paired`
+4. Scores both tools' mean test predictions with gears.train.evaluate.Evaluator.full, twice:
+`paired`
    (a perturbation's mean = mean of the per-cell predictions, each on a randomly paired control
    cell: GEARS's protocol, each tool with its own pairing) and `all` (predicted change + mean of
    all control cells); the four baselines are scored on the same perturbations.
@@ -228,10 +229,10 @@ def ours_worker(folder: Path, seed: int, epochs: int, threads: int) -> None:
     t0 = time.perf_counter()
     import torch
 
-    from gears.api import GEARS
+    from gears.compat.api import GEARS
     from gears.config import load_config
-    from gears.engine import seed_everything
-    from gears.evaluate import Evaluator, predict_deltas
+    from gears.train.engine import seed_everything
+    from gears.train.evaluate import Evaluator, predict_deltas
 
     torch.set_num_threads(threads)
     cfg = load_config(
@@ -401,8 +402,8 @@ def aligned(conditions: list[str], names, rows: np.ndarray) -> np.ndarray:
 
 def score_seed(pert_data, folder: Path, seed: int) -> dict:
     """{tool: {metric: value, metric_all: value}, "baselines": {name: {metric: value}}}."""
-    from gears.baselines import baseline_predictions
-    from gears.evaluate import Evaluator
+    from gears.eval.baselines import baseline_predictions
+    from gears.train.evaluate import Evaluator
 
     ev = Evaluator(pert_data)
     view = ev.set_view("test")
@@ -532,7 +533,7 @@ def main(args) -> dict:
     if args.worker == "ours":
         ours_worker(Path(args.dir), args.seed, int(args.epochs), args.threads)
         return {}
-    from gears.seeds import parse_seeds
+    from gears.cli.seeds import parse_seeds
 
     seeds = parse_seeds(args.seeds)
     names = [n.strip() for n in args.datasets.split(",") if n.strip()]
@@ -611,6 +612,6 @@ def _json_safe(obj):
 
 
 if __name__ == "__main__":
-    from gears.exiting import run_and_exit  # exits once done, whatever threads are left
+    from gears.cli.exiting import run_and_exit  # exits once done, whatever threads are left
 
     run_and_exit(lambda: main(parse_args()))

@@ -29,10 +29,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from gears.api import GEARS  # noqa: E402
+from gears.cli.job import DEFAULT_CONFIG, load_pert_data, run  # noqa: E402
+from gears.compat.api import GEARS  # noqa: E402
 from gears.config import load_config  # noqa: E402
-from gears.distributed import DistEnv  # noqa: E402
-from gears.run import DEFAULT_CONFIG, load_pert_data, run  # noqa: E402
+from gears.train.distributed import DistEnv  # noqa: E402
 
 CONFIG = ROOT / "configs" / "perturbench_mcfaline23.yaml"
 FORK = f"{ROOT / 'examples' / 'context_gears.py'}:ContextGEARS"

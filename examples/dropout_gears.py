@@ -6,7 +6,7 @@ config.json records it, so load_pretrained and predict.py rebuild the same netwo
 check it with
 
     python train_single.py model.impl=examples/dropout_gears.py:DropoutGEARS model.extra.dropout=0.2
-    python -m gears.check_model model.impl=examples/dropout_gears.py:DropoutGEARS \\
+    python -m gears.cli.check_model model.impl=examples/dropout_gears.py:DropoutGEARS \\
         model.extra.dropout=0.2
 
 check_model compares it with dropout off (its nn.Dropout modules in evaluation mode, batch-norm

@@ -14,9 +14,10 @@ from typing import Any
 
 import yaml
 
-from gears.choices import CHOICES
-from gears.counts import DEFAULT_SAMPLER
+from gears.choices import CHOICES, DEFAULT_SAMPLER
+from gears.data.synthetic import make_synthetic
 from gears.errors import GearsInputError
+from gears.io import atomic_write
 
 
 @dataclass
@@ -79,7 +80,7 @@ SHAPES = {"shapes": True}
 class ModelConfig:
     """GEARS's hyperparameters: the config file's `model:` section, passed whole to the network
     (gears/model/network.py); the loss's four (uncertainty_reg ... gamma) are passed by name to
-    gears_loss in Trainer.cell_loss (gears/engine.py). A new hyperparameter is one field here
+    gears_loss in Trainer.cell_loss (gears/train/engine.py). A new hyperparameter is one field here
     (marked `metadata=SHAPES` if it changes the weights; a loss parameter also passed in
     Trainer.cell_loss); config.json and checkpoints record it by themselves."""
 
@@ -150,7 +151,8 @@ class TrainConfig:
     plot_conditions: int = 4
     compile: bool = False  # torch.compile the network (distinct-perturbation rows bucketed)
     # The training step replayed as one CUDA graph per shape bucket, fed by an epoch plan on the
-    # device (gears/graph_step.py): null = auto (on with CUDA, off on CPU) | true | false. true
+    # device (gears/train/graph_step.py): null = auto (on with CUDA, off on CPU) | true | false.
+    # true
     # on CPU runs the same planned step without the capture.
     cuda_graphs: bool | None = None
     threads: int = 0  # torch/numba CPU threads after the data is built; 0 = leave as is
@@ -184,7 +186,7 @@ class EvalConfig:
     # Score the test split with cell-eval2's vcc2026 preset (the 2026 challenge): each member raw
     # and rescaled (0 = its mean-response baseline, 1 = a replicate), for GEARS and the baselines.
     cell_eval2: bool = False
-    # How predicted cells become integer counts for the 2026 score (gears/counts.py).
+    # How predicted cells become integer counts for the 2026 score (gears/eval/counts.py).
     counts_sampler: str = DEFAULT_SAMPLER
 
 
@@ -218,8 +220,6 @@ class Config:
 
     def save(self, path: str | Path) -> None:
         """Write config.yaml atomically (a crash leaves the old file or the new one)."""
-        from gears.checkpoint import atomic_write
-
         text = yaml.safe_dump(self.to_dict(), sort_keys=False)
         atomic_write(path, lambda tmp: tmp.write_text(text))
 
@@ -588,8 +588,6 @@ def _check(cfg: Config) -> None:
             )
     if not cfg.data.synthetic:
         return
-    from gears.data.synthetic import make_synthetic
-
     known = set(inspect.signature(make_synthetic).parameters)
     unknown = sorted(set(cfg.data.synthetic) - known)
     if unknown:

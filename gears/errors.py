@@ -6,7 +6,7 @@ class GearsInputError(ValueError):
 
     reported = False  # already printed (by rank 0, for an error that every rank raises)
     # Raised by every rank at once (they agreed on it): rank 0 prints it and the others wait
-    # for that before they exit (gears.train_distributed.worker_main).
+    # for that before they exit (gears.cli.launch.worker_main).
     every_rank = False
 
 

@@ -18,7 +18,7 @@ from torch import nn
 from gears.errors import GearsInputError
 
 # torch._functorch.config keys that make a compiled backward mean what eager's means
-# (gears.engine.compiled_backward_as_eager says why each is needed).
+# (gears.train.engine.compiled_backward_as_eager says why each is needed).
 COMPILED_BACKWARD_CONFIG = {
     "backward_pass_autocast": "off",
     "treat_parameters_as_free_to_save": False,
@@ -87,7 +87,7 @@ def default_store():
     if get_store is None:
         raise RuntimeError(
             f"torch {torch.__version__} has no torch.distributed.distributed_c10d."
-            "_get_default_store: pass the launcher's store to gears.run.load_pert_data, or use "
+            "_get_default_store: pass the launcher's store to gears.cli.job.load_pert_data, or use "
             "torch 2.11-2.13"
         )
     return get_store()
@@ -114,7 +114,7 @@ def is_batch_norm(module: nn.Module) -> bool:
 def tensor_pickle_globals() -> dict[tuple[str, str], object]:
     """The globals a plain pickle of tensors names (module, name) -> the function torch rebuilds
     them with: torch._utils._rebuild_tensor_v2 and _rebuild_parameter (private). cell-gears's
-    config.pkl was written by plain pickle, so gears.cell_gears admits exactly these. A torch
+    config.pkl was written by plain pickle, so gears.compat.cell_gears admits exactly these. A torch
     without one raises a RuntimeError naming it (such pickles then need that torch to load)."""
     import torch._utils
 

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
 
 ROOT = Path(__file__).resolve().parents[1]
+# benchmarks/opcount.py: the tests count ops and host reads as the benchmarks do
+sys.path.insert(0, str(ROOT / "benchmarks"))
 SHARED_DATA = Path(os.environ.get("GEARS_SHARED_DATA", ROOT.parent / "shared" / "data"))
 
 os.environ.setdefault("WANDB_MODE", "disabled")

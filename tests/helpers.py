@@ -49,7 +49,7 @@ def join_local_gloo(rank: int, world: int, port: int):
 
     import torch
 
-    from gears.distributed import init_distributed, set_local_rank_env
+    from gears.train.distributed import init_distributed, set_local_rank_env
 
     set_local_rank_env(rank, world, port)
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -210,8 +210,8 @@ def metrics_without_timing(run_dir: Path) -> dict:
 
 def final_train_state(run_dir: Path):
     """The TrainState of a run's newest checkpoint (after its last epoch, for a finished run)."""
-    from gears import checkpoint as ckpt
-    from gears.training_state import TrainState
+    from gears.train import checkpoint as ckpt
+    from gears.train.state import TrainState
 
     newest = ckpt.list_checkpoints(Path(run_dir) / "checkpoints")[-1]
     return TrainState.from_checkpoint(ckpt.load(newest))

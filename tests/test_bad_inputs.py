@@ -19,13 +19,13 @@ import scipy.sparse as sp
 import torch
 from helpers import GENES, tiny_gene2go, tiny_screen, write_gene2go
 
-from gears import checkpoint as ckpt
-from gears.api import GEARS
+from gears.compat.api import GEARS
 from gears.config import ModelConfig, TrainConfig, load_config
 from gears.data.pertdata import PertData
-from gears.distributed import DistEnv, check_gpu_ids, choose_device, launch_ranks
-from gears.engine import Trainer, autocast_dtype, seed_everything
 from gears.errors import GearsInputError, TrainingStopped
+from gears.train import checkpoint as ckpt
+from gears.train.distributed import DistEnv, check_gpu_ids, choose_device, launch_ranks
+from gears.train.engine import Trainer, autocast_dtype, seed_everything
 
 
 @pytest.fixture(scope="module")
@@ -208,14 +208,14 @@ def model_json(ctx, name: str):
     (folder / name).write_text((ctx.tmp / "model" / name).read_text()[:40])
     if name == "config.json":
         GEARS(ctx.data, device="cpu").load_pretrained(folder)
-    from gears.model_folder import read_model_json
+    from gears.train.saved_model import read_model_json
 
     read_model_json(folder, name)
 
 
 def run_into(ctx, out_dir: Path, *overrides: str):
-    """The main job (gears.run.run) on out_dir: refused at its start, before any data work."""
-    from gears.run import run
+    """The main job (gears.cli.job.run) on out_dir: refused at its start, before any data work."""
+    from gears.cli.job import run
 
     cfg = load_config(None, [f"out_dir={out_dir}", f"data.data_dir={ctx.tmp / 'd'}", *overrides])
     run(cfg, DistEnv())
@@ -349,8 +349,8 @@ def wandb_online_without_a_key(ctx):
 
 def context_that_cannot_be_split(ctx):
     """Two contexts; lineB holds controls and one perturbation: refused before lineA trains."""
-    from gears.contexts import run_contexts
-    from gears.run import split_and_graphs
+    from gears.cli.contexts import run_contexts
+    from gears.cli.job import split_and_graphs
 
     adata = tiny_screen()
     label = adata.obs["condition"].astype(str)

@@ -1,12 +1,13 @@
-"""Tests for gears/baselines.py: exact hand cases and a linear model built to be recoverable."""
+"""Tests for gears/eval/baselines.py: exact hand cases and a linear model built to be
+recoverable."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from gears.baselines import baseline_predictions
 from gears.errors import GearsInputError
+from gears.eval.baselines import baseline_predictions
 
 
 def _hand_case():

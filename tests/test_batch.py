@@ -16,20 +16,20 @@ import torch
 from helpers import TINY
 from torch import nn
 
-from gears.api import GEARS
+from gears.compat.api import GEARS
 from gears.config import ModelConfig, TrainConfig, load_config
 from gears.data.conditions import condition_genes
 from gears.data.loaders import pairing_hash
 from gears.data.pertdata import PertData
-from gears.distributed import DistEnv
-from gears.engine import CELL_ROWS, Trainer, seed_everything
 from gears.errors import GearsInputError
-from gears.evaluate import EVAL_PAIRING_EPOCH, segment_mean
 from gears.model import GEARSNet, network_class
 from gears.model.batch import ModelBatch, predicted_expression
 from gears.model.losses import gears_loss
 from gears.model.reference import GEARSReference
 from gears.model.rows import batch_rows
+from gears.train.distributed import DistEnv
+from gears.train.engine import CELL_ROWS, Trainer, seed_everything
+from gears.train.evaluate import EVAL_PAIRING_EPOCH, segment_mean
 
 ROOT = Path(__file__).resolve().parents[1]
 FORK = f"{ROOT / 'examples' / 'context_gears.py'}:ContextGEARS"

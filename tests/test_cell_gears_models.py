@@ -1,4 +1,5 @@
-"""Models saved by cell-gears 0.1.2 (gears/cell_gears.py), against the real thing: the fixture in
+"""Models saved by cell-gears 0.1.2 (gears/compat/cell_gears.py), against the real thing: the
+fixture in
 tests/fixtures/cell_gears was trained, saved and queried by cell-gears itself
 (tests/fixtures/make_cell_gears_fixture.py); cell-gears is not needed here."""
 
@@ -16,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from gears import cell_gears
-from gears.api import GEARS
-from gears.cell_gears import cell_gears_vocabulary, read_config
+from gears.compat import cell_gears
+from gears.compat.api import GEARS
+from gears.compat.cell_gears import cell_gears_vocabulary, read_config
 from gears.data.pertdata import PertData
 from gears.errors import GearsInputError
 
@@ -288,7 +289,7 @@ def test_vocabulary_in_another_order_is_refused_by_the_go_graph():
 
 def _vocabulary(perts):
     from gears.data.graphs import read_gene2go
-    from gears.model_folder import SavedVocabulary
+    from gears.train.saved_model import SavedVocabulary
 
     vocab = SavedVocabulary(INFO["gene_list"], perts, np.zeros(len(INFO["gene_list"])))
     gene2go = read_gene2go(GENE2GO)

@@ -1,4 +1,5 @@
-"""gears/check_model.py: the fork guard passes on the code as it is, and names the layer where an
+"""gears/cli/check_model.py: the fork guard passes on the code as it is, and names the layer where
+an
 edit of the fast network departs from the reference (the edits monkeypatched in)."""
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ import torch.nn.functional as F
 from helpers import TINY_CLI
 from torch import nn
 
-from gears import check_model as cm
+from gears.cli import check_model as cm
+from gears.cli.job import DEFAULT_CONFIG, load_pert_data
 from gears.config import load_config
-from gears.distributed import DistEnv
 from gears.model import network, reference
-from gears.run import DEFAULT_CONFIG, load_pert_data
+from gears.train.distributed import DistEnv
 
 
 def _overrides(data_dir) -> list[str]:
@@ -143,13 +144,13 @@ def test_the_context_fork_passes_the_contract(tmp_path):
 
 
 def test_bad_input_on_the_command_line_is_one_line_and_status_2():
-    """`python -m gears.check_model` with an unknown key printed GearsInputError's traceback."""
+    """`python -m gears.cli.check_model` with an unknown key printed GearsInputError's traceback."""
     import subprocess
     import sys
     from pathlib import Path
 
     done = subprocess.run(
-        [sys.executable, "-m", "gears.check_model", "train.nope=1"],
+        [sys.executable, "-m", "gears.cli.check_model", "train.nope=1"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -177,9 +178,9 @@ def test_the_dropout_fork_trains_saves_loads_and_passes_check_model(tmp_path, ca
     differ", then every later layer departed): its train-mode checks now run with dropout off
     and say so. Its option (model.extra.dropout) reaches the network, config.json records it
     and load_pretrained rebuilds it."""
-    from gears.api import GEARS
-    from gears.model_folder import read_model_json
-    from gears.run import run
+    from gears.cli.job import run
+    from gears.compat.api import GEARS
+    from gears.train.saved_model import read_model_json
 
     data = tmp_path / "data"
     overrides = [*_overrides(data), f"model.impl={DROPOUT}", "model.extra.dropout=0.3"]
@@ -211,8 +212,8 @@ def test_a_stochastic_fork_without_dropout_modules_is_compared_in_evaluation_mod
 
 
 def test_a_fork_option_it_does_not_declare_is_refused_naming_the_accepted_ones(tmp_path):
+    from gears.cli.job import check_before_the_run
     from gears.errors import GearsInputError
-    from gears.run import check_before_the_run
 
     cfg = load_config(None, [f"model.impl={DROPOUT}", "model.extra.dropuot=0.2"])
     with pytest.raises(GearsInputError, match=r"\['dropuot'\].*accepts: dropout \(default 0.1\)"):

@@ -1,4 +1,5 @@
-"""gears/checkpoint.py: pruning and loading around unreadable files, and the resume rule (which
+"""gears/train/checkpoint.py: pruning and loading around unreadable files, and the resume rule
+(which
 keys a resume may change, which refuse it)."""
 
 from __future__ import annotations
@@ -8,9 +9,9 @@ from dataclasses import fields, is_dataclass
 import pytest
 import torch
 
-from gears import checkpoint as ckpt
 from gears.config import Config, valid_keys
 from gears.errors import GearsInputError
+from gears.train import checkpoint as ckpt
 
 
 def _save(folder, epoch: int) -> None:

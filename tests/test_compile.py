@@ -61,11 +61,11 @@ def test_padded_batches_compile_once_per_bucket():
 
 def _eager_and_compiled(tmp_path, epochs: int = 1):
     """Two Trainers on a tiny screen from the same initial weights: eager and train.compile."""
-    from gears.api import GEARS
+    from gears.compat.api import GEARS
     from gears.config import TrainConfig
     from gears.data.pertdata import PertData
-    from gears.distributed import DistEnv
-    from gears.engine import Trainer, seed_everything
+    from gears.train.distributed import DistEnv
+    from gears.train.engine import Trainer, seed_everything
 
     pd_ = PertData(tmp_path, verbose=False)
     pd_.load(

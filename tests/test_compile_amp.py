@@ -26,11 +26,18 @@ import torch._dynamo
 import torch._inductor.config
 from helpers import tiny_split
 
-from gears.api import GEARS
+from gears.compat.api import GEARS
 from gears.config import TrainConfig
-from gears.distributed import DistEnv
-from gears.engine import CELL_ROWS, EqualRows, RepeatRows, Trainer, WeightedRows, seed_everything
 from gears.model.kernels import WeightedBatchNorm1d
+from gears.train.distributed import DistEnv
+from gears.train.engine import (
+    CELL_ROWS,
+    EqualRows,
+    RepeatRows,
+    Trainer,
+    WeightedRows,
+    seed_everything,
+)
 from tests.test_network import _biases_cancelled_by_bn
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

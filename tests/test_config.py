@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from gears.cli.job import DEFAULT_CONFIG
 from gears.config import Config, ModelConfig, load_config, valid_keys
 from gears.errors import GearsInputError
-from gears.run import DEFAULT_CONFIG
 
 
 def test_defaults_match_gears():

@@ -1,4 +1,5 @@
-"""gears/counts.py: the training normalisation inverted, and the counts samplers' statistics."""
+"""gears/eval/counts.py: the training normalisation inverted, and the counts samplers'
+statistics."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import scanpy as sc
 import scipy.sparse as sp
 from anndata import AnnData
 
-from gears import counts
 from gears.errors import GearsInputError
+from gears.eval import counts
 
 # Each check below compares a sample mean with its expectation at Z standard errors: a
 # two-sided normal tail of 4e-8 per gene, so over the ~100 genes of a check a correct sampler

@@ -14,9 +14,9 @@ from helpers import join_local_gloo
 
 from gears.config import DistributedConfig, TrainConfig
 from gears.data.pertdata import PertData
-from gears.distributed import DistEnv, cleanup, find_free_port
-from gears.engine import Trainer
-from gears.evaluate import Evaluator
+from gears.train.distributed import DistEnv, cleanup, find_free_port
+from gears.train.engine import Trainer
+from gears.train.evaluate import Evaluator
 
 WORLD = 2
 SGD = dict(epochs=1, schedule="constant", optimizer="sgd", lr=0.01, weight_decay=0.0, grad_clip=0.0)

@@ -1,5 +1,5 @@
 """The CPU stand-in for GPU memory (gears/device.py, GEARS_DEVICE_STANDIN=1): device tensors
-refuse host reads, and the main job, predict.py and gears.seeds run end to end with it, so a
+refuse host reads, and the main job, predict.py and gears.cli.seeds run end to end with it, so a
 forgotten host copy of a GPU tensor fails here instead of at the end of a GPU run."""
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def test_without_the_standin_cpu_tensors_are_plain(monkeypatch):
 def test_parameters_buffers_gradients_and_optimizer_states_are_device_tensors(standin, tmp_path):
     """module_to_device (GEARS._build, Trainer) places the model: a host read of a weight, a
     gradient, an optimizer state or a batch-norm statistic fails as it would on a GPU."""
-    from gears.api import GEARS
+    from gears.compat.api import GEARS
     from gears.config import TrainConfig
     from gears.model.batch import ModelBatch
 
@@ -128,7 +128,7 @@ def test_device_tensors_deep_copy_and_save_as_a_gpu_tensor_does(standin, tmp_pat
 def test_reference_network_trains_and_predicts_with_the_standin(standin, tmp_path):
     """model.impl=reference on the device path: its forward reads nothing on the host (it
     counted the perturbed cells with int() and selected them with a mask, ~4 syncs a forward)."""
-    from gears.api import GEARS
+    from gears.compat.api import GEARS
     from gears.config import ModelConfig, TrainConfig
 
     pert_data = tiny_split(tmp_path)
@@ -146,7 +146,7 @@ def test_cell_gears_model_predicts_on_the_device_path(standin):
     predictions are still cell-gears's."""
     from test_cell_gears_models import FIXTURE, GENE2GO, RECORDED, SCREEN, as_cell_gears
 
-    from gears.api import GEARS
+    from gears.compat.api import GEARS
 
     model = GEARS.from_cell_gears(FIXTURE / "model_plain", SCREEN, GENE2GO)
     held = dict(model.prediction_net().named_parameters()) | dict(
@@ -236,7 +236,7 @@ def test_predict_py_runs_with_the_standin(standin_run, monkeypatch):
 
 
 def test_seeds_run_with_the_standin(tmp_path, monkeypatch):
-    from gears.seeds import main as seeds_main
+    from gears.cli.seeds import main as seeds_main
 
     monkeypatch.setenv(STANDIN_ENV, "1")
     seeds_main(
@@ -268,7 +268,7 @@ def test_two_processes_with_synchronised_batchnorm_run_with_the_standin(tmp_path
 
 def test_the_standin_engages_in_the_main_job(standin, tmp_path):
     """The job above proves something only if its matrix and batches were device tensors."""
-    from gears.api import GEARS
+    from gears.compat.api import GEARS
     from gears.config import TrainConfig
 
     pert_data = tiny_split(tmp_path)

@@ -17,9 +17,9 @@ import pytest
 import torch
 from helpers import TINY, TINY_CLI, final_train_state
 
-from gears import checkpoint as ckpt
-from gears.distributed import find_free_port, first_slurm_host, init_distributed, slurm_to_env
-from gears.train_distributed import launched_externally
+from gears.cli.launch import launched_externally
+from gears.train import checkpoint as ckpt
+from gears.train.distributed import find_free_port, first_slurm_host, init_distributed, slurm_to_env
 
 ROOT = Path(__file__).resolve().parents[1]
 TABLE_HEADER = "test metrics (mean over perturbations"
@@ -484,7 +484,7 @@ def test_train_multi_gpu_on_cpu_returns_the_spawn_runs_metrics(
     tmp_path, clean_launch_env, spawn_run
 ):
     """The Python entry point with the CLI run's config gives the CLI run's model and metrics."""
-    from gears.train_distributed import train_multi_gpu
+    from gears.cli.launch import train_multi_gpu
 
     clean_launch_env.setenv("OMP_NUM_THREADS", "1")  # inherited by the spawned workers
     metrics = train_multi_gpu(

@@ -37,8 +37,8 @@ LANGS = {"bash": "shell", "sh": "shell", "python": "python", "yaml": "config", "
 OVERRIDE_COMMANDS = (
     "train_single.py",
     "train_distributed.py",
-    "-m gears.seeds",
-    "gears.check_model",
+    "-m gears.cli.seeds",
+    "gears.cli.check_model",
 )
 # `doc-run: quick`: one epoch on the tests' tiny synthetic screen, one perturbation plot, no wandb.
 QUICK = (
@@ -551,11 +551,11 @@ def test_requirements_txt_points_at_the_page_with_the_cuda_step():
 
 # -------------------------------------------------------------------------- metrics.md (fast)
 def test_metrics_md_defines_every_metric_key():
-    """Every per-perturbation key gears.metrics writes (the ~55 of each predictor in
+    """Every per-perturbation key gears.train.metrics writes (the ~55 of each predictor in
     metrics.json) has a row in docs/metrics.md, and metrics.md names no key the code lacks."""
     import numpy as np
 
-    from gears.metrics import condition_metrics, top_variable_genes
+    from gears.train.metrics import condition_metrics, top_variable_genes
 
     rng = np.random.default_rng(0)
     cells = rng.random((12, 30))
@@ -608,7 +608,7 @@ NOT_MEASURED = {
     ("docs/changing_the_model.md", "1.001"): "the factor the oracle tests' mutation check scales "
     "a hand-written backward by, a setting",
     ("docs/predictions.md", "4.3 GB"): "60,000 x 18,080 x 4 bytes, computed, not measured",
-    ("docs/predictions.md", "~64 MB"): "CHUNK_BYTES in gears/predict.py, a setting",
+    ("docs/predictions.md", "~64 MB"): "CHUNK_BYTES in gears/eval/predicted_cells.py, a setting",
 }
 
 
@@ -838,7 +838,7 @@ def test_readme_says_nproc_multiplies_the_effective_batch():
     para = text[start : text.find("- **", start + 5)]
     for needed in (
         "`train.batch_size` is per process",
-        "`train.batch_size` x N x `train.grad_accum_steps`",  # as gears/run.py computes it
+        "`train.batch_size` x N x `train.grad_accum_steps`",  # as gears/cli/job.py computes it
         "`effective_batch_size`",
         "train.batch_size=16",  # the single-process batch of 32 kept under --nproc 2
         "train.grad_accum_steps=2",

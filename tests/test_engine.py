@@ -16,14 +16,14 @@ import pytest
 import torch
 from helpers import final_train_state, metrics_without_timing, run_train_cli, tiny_split
 
-from gears import checkpoint as ckpt
-from gears.api import GEARS
+from gears.compat.api import GEARS
 from gears.config import DistributedConfig, ModelConfig, TrainConfig
 from gears.data.pertdata import PertData
-from gears.distributed import DistEnv
-from gears.engine import Trainer, autocast_dtype, make_scheduler, seed_everything
 from gears.errors import GearsInputError
 from gears.model.batch import ModelBatch
+from gears.train import checkpoint as ckpt
+from gears.train.distributed import DistEnv
+from gears.train.engine import Trainer, autocast_dtype, make_scheduler, seed_everything
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +120,7 @@ def test_the_built_fingerprint_holds_every_data_part(tiny):
     every part checkpoint.DATA_PARTS names, each read from this run: another split or another
     world size changes exactly those parts."""
     from gears.model import graph_buffer_names
-    from gears.training_state import fingerprint
+    from gears.train.state import fingerprint
 
     model = build(tiny, hidden=8)
     trainer = Trainer(model.model, tiny, TrainConfig(), model.model_config(), DistEnv())

@@ -13,13 +13,13 @@ import pytest
 import torch
 from helpers import TINY_CLI, tiny_split
 
-from gears.api import GEARS
+from gears.compat.api import GEARS
 from gears.config import TrainConfig, load_config
 from gears.data.pertdata import PertData
-from gears.distributed import DistEnv
-from gears.engine import Trainer, seed_everything, selection_score
 from gears.errors import GearsInputError
-from gears.evaluate import Evaluator, predict_deltas
+from gears.train.distributed import DistEnv
+from gears.train.engine import Trainer, seed_everything, selection_score
+from gears.train.evaluate import Evaluator, predict_deltas
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -131,7 +131,7 @@ def test_gears_paper_config_is_gears_recipe():
 # ------------------------------------------------------------------------- train_fit, seeds
 @pytest.fixture(scope="module")
 def seeds_run(tmp_path_factory):
-    from gears.seeds import main
+    from gears.cli.seeds import main
 
     out = tmp_path_factory.mktemp("seeds")
     overrides = [
@@ -188,7 +188,7 @@ def test_seeds_summary_mean_and_sd_over_seeds(seeds_run):
 
 
 def test_seeds_collect_rebuilds_the_summary(seeds_run):
-    from gears.seeds import main
+    from gears.cli.seeds import main
 
     out, summary, overrides = seeds_run
     (out / "seeds_summary.json").unlink()
@@ -197,7 +197,7 @@ def test_seeds_collect_rebuilds_the_summary(seeds_run):
 
 
 def test_bad_seeds_are_a_clear_error():
-    from gears.seeds import parse_seeds
+    from gears.cli.seeds import parse_seeds
 
     assert parse_seeds("[1, 2,3]") == [1, 2, 3]
     for bad in ("1,x", "", "1,1"):

@@ -27,13 +27,13 @@ from helpers import (
     write_gene2go,
 )
 
-from gears import checkpoint as ckpt
-from gears.api import GEARS
+from gears.compat.api import GEARS
 from gears.config import TrainConfig
 from gears.data.pertdata import PertData
-from gears.distributed import DistEnv
-from gears.engine import Trainer, seed_everything
 from gears.errors import NonFiniteLossError
+from gears.train import checkpoint as ckpt
+from gears.train.distributed import DistEnv
+from gears.train.engine import Trainer, seed_everything
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 300
@@ -41,7 +41,7 @@ TIMEOUT_S = 300
 _WRITER = textwrap.dedent(
     """
     import resource, sys, torch
-    from gears import checkpoint as ckpt
+    from gears.train import checkpoint as ckpt
     from gears.errors import GearsInputError
     path, limit = sys.argv[1], int(sys.argv[2])
     if limit:
@@ -310,7 +310,7 @@ def test_nan_loss_in_a_process_group_names_the_rank(tiny):
     one-process gloo group."""
     import torch.distributed as dist
 
-    from gears.distributed import find_free_port
+    from gears.train.distributed import find_free_port
 
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{find_free_port()}", rank=0, world_size=1
@@ -335,7 +335,7 @@ def test_nan_loss_in_a_process_group_names_the_rank(tiny):
     finally:
         # DDP's reducer holds the gloo group: freed after destroy_process_group (when this
         # function's locals die) it joins gloo's thread with the GIL held and hangs. Free it
-        # first, as gears.distributed.release does.
+        # first, as gears.train.distributed.release does.
         trainer = model = None
         gc.collect()
         dist.destroy_process_group()

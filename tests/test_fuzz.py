@@ -770,9 +770,9 @@ def valid_files(tmp_path_factory, go_file) -> dict:
     import torch
     from helpers import tiny_gene2go, tiny_screen
 
-    from gears import checkpoint as ckpt
-    from gears.api import GEARS
-    from gears.engine import seed_everything
+    from gears.compat.api import GEARS
+    from gears.train import checkpoint as ckpt
+    from gears.train.engine import seed_everything
 
     folder = tmp_path_factory.mktemp("valid")
     tiny_screen().write_h5ad(folder / "screen.h5ad")
@@ -849,8 +849,8 @@ def test_damaged_h5ad_is_read_or_refused(data, store, valid_files, go_file, tmp_
 def test_damaged_checkpoint_loads_whole_or_is_refused(data, valid_files, tmp_path_factory):
     """A damaged checkpoint is refused naming the file, or loads exactly what was saved (a
     change in the archive's bookkeeping only): never a silently different weight."""
-    from gears import checkpoint as ckpt
     from gears.errors import GearsInputError
+    from gears.train import checkpoint as ckpt
 
     kind, raw = data.draw(damaged(valid_files["checkpoint"]))
     path = _corrupted_copy(tmp_path_factory, "epoch_0003.pt", raw)
@@ -875,9 +875,9 @@ def test_damaged_model_folder_json_is_read_or_refused(data, name, valid_files, t
     change unseen: model.pt records the rest)."""
     import shutil
 
-    from gears.api import GEARS
+    from gears.compat.api import GEARS
     from gears.errors import GearsInputError
-    from gears.model_folder import read_model_json
+    from gears.train.saved_model import read_model_json
 
     kind, raw = data.draw(damaged((valid_files["model"] / name).read_bytes()))
     folder = tmp_path_factory.mktemp("damaged_model") / "model"

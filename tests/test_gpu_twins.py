@@ -24,10 +24,13 @@ from helpers import TINY, join_local_gloo
 from test_distributed import TINY_RUN, _env, _launch, _metrics, clean_launch_env  # noqa: F401
 from test_engine import ListLoader, build, group_batches
 
-from gears import checkpoint as ckpt
+from gears.cli.job import load_pert_data
+from gears.cli.launch import batch_script_note, launched_externally
 from gears.config import Config, DistributedConfig, TrainConfig
 from gears.data.pertdata import PertData
-from gears.distributed import (
+from gears.errors import GearsInputError
+from gears.train import checkpoint as ckpt
+from gears.train.distributed import (
     DistEnv,
     build_in_stages,
     cleanup,
@@ -37,12 +40,15 @@ from gears.distributed import (
     set_tf32,
     slurm_to_env,
 )
-from gears.engine import Trainer, graph_buffer_names, optimizer_kernel, rng_state, set_rng_state
-from gears.errors import GearsInputError
-from gears.evaluate import predict_deltas
-from gears.run import load_pert_data
-from gears.train_distributed import batch_script_note, launched_externally
-from gears.training_state import TrainState
+from gears.train.engine import (
+    Trainer,
+    graph_buffer_names,
+    optimizer_kernel,
+    rng_state,
+    set_rng_state,
+)
+from gears.train.evaluate import predict_deltas
+from gears.train.state import TrainState
 
 ROOT = Path(__file__).resolve().parents[1]
 GRAPHS = {"go_edge_index", "go_edge_weight", "co_edge_index", "co_edge_weight"}
@@ -334,7 +340,7 @@ def _ddp_worker(rank: int, world: int, port: int, out: str) -> None:
         }
         with open(Path(out) / f"rank{rank}.pkl", "wb") as f:
             pickle.dump(result, f)
-        trainer = model = None  # free DDP while the group lives, as gears.run does
+        trainer = model = None  # free DDP while the group lives, as gears.cli.job does
     finally:
         cleanup(env)
 
@@ -555,8 +561,8 @@ def test_cell_gears_config_saved_on_a_gpu_loads_on_the_cpu(tmp_path):
 
     from test_cell_gears_models import FIXTURE, GENE2GO, RECORDED, SCREEN, as_cell_gears
 
-    from gears.api import GEARS
-    from gears.cell_gears import read_config
+    from gears.compat.api import GEARS
+    from gears.compat.cell_gears import read_config
 
     config = read_config(FIXTURE / "model_plain" / "config.pkl")
     folder = tmp_path / "model_plain"

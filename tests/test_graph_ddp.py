@@ -1,4 +1,5 @@
-"""The planned step under DDP (gears/graph_step.py, CPU, gloo, 2 real processes): the local part
+"""The planned step under DDP (gears/train/graph_step.py, CPU, gloo, 2 real processes): the local
+part
 (forward, loss, backward into one flat gradient buffer) and the clip + optimizer part planned,
 the flat gradient averaged by one all-reduce between them. 2 ranks x batch b reach the
 parameters of 1 process x batch 2b and of eager DDP; two steps of a bucket dispatch the same ops
@@ -14,7 +15,7 @@ import torch
 import torch.multiprocessing as mp
 from helpers import join_local_gloo, tiny_split
 
-from gears.distributed import DistEnv, cleanup, find_free_port
+from gears.train.distributed import DistEnv, cleanup, find_free_port
 
 WORLD = 2
 CELLS = 16  # every condition of the tiny split has 16 cells (control: 8 x 16)
@@ -32,9 +33,9 @@ SGD = dict(
 def _trainer(
     pert_data, env: DistEnv, planned: bool, batching: str, batch_size: int, unused=False, **kw
 ):
-    from gears.api import GEARS
+    from gears.compat.api import GEARS
     from gears.config import ModelConfig, TrainConfig
-    from gears.engine import Trainer, seed_everything
+    from gears.train.engine import Trainer, seed_everything
 
     seed_everything(0)
     model = GEARS(pert_data, device="cpu").initialize(ModelConfig(hidden_size=8))
@@ -122,10 +123,10 @@ def test_two_planned_ranks_equal_one_planned_process_and_eager_ddp(tmp_path, spa
 def _ops_and_storage(pert_data, env: DistEnv) -> dict:
     """On this rank: two steps of one bucket (different numbers of groups) dispatch the same
     ops, collectives included, and no storage moves or attribute is rebound over the steps."""
+    from opcount import OpRecorder
     from test_graph_step import _ids, _same_bucket_pair
 
-    from gears.engine import set_train_mode
-    from gears.opcount import OpRecorder
+    from gears.train.engine import set_train_mode
 
     trainer, loader = _trainer(
         pert_data, env, True, "random", 32, unused=True, optimizer="adam", weight_decay=5e-4
@@ -210,7 +211,7 @@ def _captured(pert_data, env: DistEnv) -> dict:
     all_reduce, training exactly as the uncaptured planned step."""
     from test_graph_step import _FakeCuda
 
-    from gears.engine import set_train_mode
+    from gears.train.engine import set_train_mode
 
     runners = []
     for capture in (False, True):
@@ -243,9 +244,9 @@ def _wrapper(pert_data, env: DistEnv) -> dict:
     constructor makes them; a run whose plan is refused at its first epoch gets the wrapper."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from gears.api import GEARS
+    from gears.compat.api import GEARS
     from gears.config import ModelConfig, TrainConfig
-    from gears.engine import Trainer, seed_everything
+    from gears.train.engine import Trainer, seed_everything
 
     def ddp(trainer) -> bool:
         return isinstance(
@@ -304,7 +305,7 @@ def test_only_synchronised_batchnorm_keeps_ddp_eager():
     from types import SimpleNamespace
 
     from gears.config import DistributedConfig, TrainConfig
-    from gears.engine import planned_step_refusal
+    from gears.train.engine import planned_step_refusal
 
     loader = SimpleNamespace(batch_sampler=[], dataset=None)
 

@@ -1,4 +1,5 @@
-"""Tests for the planned evaluation forward (gears/graph_step.py ForwardRunner): predict_deltas
+"""Tests for the planned evaluation forward (gears/train/graph_step.py ForwardRunner):
+predict_deltas
 in fixed-shape chunks on static buffers gives today's numbers, and is capturable (same ops for
 every chunk, no host sync or host tensor, storage that never moves); the Trainer's validation
 and the run's test evaluation use it with train.cuda_graphs on."""
@@ -11,9 +12,9 @@ import torch
 from helpers import tiny_split
 from test_graph_step import _FakeCuda, _net, _trainer
 
-from gears.evaluate import EVAL_CHUNK, predict_deltas
-from gears.graph_step import ForwardRunner
 from gears.model.batch import declared_covariates, reads_x
+from gears.train.evaluate import EVAL_CHUNK, predict_deltas
+from gears.train.graph_step import ForwardRunner
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +147,7 @@ def test_chunks_of_a_shape_dispatch_identical_ops_and_keep_storage(lines, kind):
     """A full chunk and a padded one (64 and 22 real rows, other perturbations): the forward
     dispatches the same ops in the same shapes, and the static inputs and outputs, parameters
     and buffers keep their storage (today's eager chunks of 64 and 22 rows differ)."""
-    from gears.opcount import OpRecorder
+    from opcount import OpRecorder
 
     torch.set_num_threads(1)
     model = _net(lines, kind)
@@ -187,15 +188,16 @@ def test_forward_has_no_host_sync_or_host_tensor_under_the_standin(tmp_path, mon
     """GEARS_DEVICE_STANDIN=1: the network and static buffers on the stand-in device; the
     forward a graph replays makes no host sync (SyncGuard), reads no host tensor and copies
     nothing from the host (the inputs are copied in before it, the outputs out after it)."""
+    from opcount import HostTensorWatch, OpRecorder, SyncGuard
+
     from gears.device import STANDIN_ENV
-    from gears.opcount import HostTensorWatch, OpRecorder, SyncGuard
 
     monkeypatch.setenv(STANDIN_ENV, "1")
     torch.set_num_threads(1)
     pert_data = tiny_split(tmp_path)
-    from gears.api import GEARS
+    from gears.compat.api import GEARS
     from gears.config import ModelConfig
-    from gears.engine import seed_everything
+    from gears.train.engine import seed_everything
 
     seed_everything(0)
     model = GEARS(pert_data, device="cpu").initialize(ModelConfig(hidden_size=8))
@@ -244,7 +246,7 @@ def test_trainer_validates_and_the_run_tests_with_the_runner(lines):
 
 def test_gears_train_leaves_the_runner_to_test_metrics_and_predictions(lines):
     """GEARS.train with train.cuda_graphs=true (the covariate fork): the run's test metrics
-    (evaluator.predict_means, as gears/run.py takes them) and GEARS.predict_changes go through
+    (evaluator.predict_means, as gears/cli/job.py takes them) and GEARS.predict_changes go through
     the trained network's ForwardRunner, with eager's numbers."""
     torch.set_num_threads(1)
     model = _net(lines, "fork")

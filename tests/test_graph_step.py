@@ -1,4 +1,4 @@
-"""Tests for gears/graph_step.py: the epoch plan yields the training loader's batches, and the
+"""Tests for gears/train/graph_step.py: the epoch plan yields the training loader's batches, and the
 planned step is capturable (same ops for every batch of a bucket, storage that never moves, no
 host sync, no attribute rebound) and trains to today's numbers."""
 
@@ -10,8 +10,8 @@ import torch
 from helpers import tiny_split
 
 from gears.data.pertdata import PertData
-from gears.engine import set_train_mode
-from gears.graph_step import EpochPlan, row_buckets
+from gears.train.engine import set_train_mode
+from gears.train.graph_step import EpochPlan, row_buckets
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +106,7 @@ def test_plan_keeps_its_storage_and_the_cursor_resumes(tiny):
 
 
 def test_plan_refuses_batches_of_unequal_size(tiny):
-    from gears.graph_step import PlanUnsupported
+    from gears.train.graph_step import PlanUnsupported
 
     # 16 cells per condition in groups of 5: remainder groups of 1 make smaller mixed steps
     loader = tiny.get_dataloader_distributed(10, 64, batching="grouped", cells_per_group=5)
@@ -121,9 +121,9 @@ def _net(pert_data: PertData, kind: str):
     that reads x; all from seed 0."""
     from test_batch import FORK, _reads_x_model
 
-    from gears.api import GEARS
+    from gears.compat.api import GEARS
     from gears.config import ModelConfig
-    from gears.engine import seed_everything
+    from gears.train.engine import seed_everything
 
     if kind == "reads_x":
         return _reads_x_model(pert_data)
@@ -134,9 +134,9 @@ def _net(pert_data: PertData, kind: str):
 
 def _trainer(pert_data: PertData, kind: str, planned: bool, double: bool = False, **kw):
     from gears.config import TrainConfig
-    from gears.distributed import DistEnv
-    from gears.engine import Trainer
     from gears.model.batch import declared_covariates
+    from gears.train.distributed import DistEnv
+    from gears.train.engine import Trainer
 
     model = _net(pert_data, kind)
     if double:
@@ -254,7 +254,7 @@ def test_batches_of_a_bucket_dispatch_identical_ops(lines, kind):
     """Forward and backward, clipping and Adam: the same op names, shapes, dtypes and
     non-tensor arguments for two batches of one bucket with different numbers of distinct
     perturbations (today's eager step lays them out differently: different ops)."""
-    from gears.opcount import OpRecorder
+    from opcount import OpRecorder
 
     torch.set_num_threads(1)
     trainer, runner = _runner(lines, 32, kind)
@@ -273,7 +273,7 @@ def test_batches_of_a_bucket_dispatch_identical_ops(lines, kind):
 def test_todays_step_dispatches_different_ops_per_batch(lines):
     """The same two batches through today's eager step: their op sequences differ (the layout
     follows each batch's counts), which is why it could not be replayed as one graph."""
-    from gears.opcount import OpRecorder
+    from opcount import OpRecorder
 
     torch.set_num_threads(1)
     eager, loaders = _trainer(lines, "fast", planned=False, batch_size=32)
@@ -339,16 +339,17 @@ def test_step_has_no_host_sync_or_host_tensor_under_the_standin(tmp_path, monkey
     make no host sync (SyncGuard), read no host tensor, and copy nothing from the host. With
     each optimizer (SGD's foreach update reads a tensor learning rate on the host: a capture
     on a GPU then fails)."""
+    from opcount import HostTensorWatch, OpRecorder, SyncGuard
+
     from gears.device import STANDIN_ENV
-    from gears.opcount import HostTensorWatch, OpRecorder, SyncGuard
 
     monkeypatch.setenv(STANDIN_ENV, "1")
     torch.set_num_threads(1)
     pert_data = tiny_split(tmp_path)
-    from gears.api import GEARS
+    from gears.compat.api import GEARS
     from gears.config import ModelConfig, TrainConfig
-    from gears.distributed import DistEnv
-    from gears.engine import Trainer, seed_everything
+    from gears.train.distributed import DistEnv
+    from gears.train.engine import Trainer, seed_everything
 
     seed_everything(0)
     model = GEARS(pert_data, device="cpu").initialize(ModelConfig(hidden_size=8))

@@ -1,6 +1,7 @@
 """The package's modules import each other without a cycle, counting imports inside functions
 (a lazy import hides a cycle from Python, not from a reader): what two modules share lives in a
-module below both (e.g. gears/model_folder.py below gears/api.py and gears/predict.py)."""
+module below both (e.g. gears/train/saved_model.py below gears/compat/api.py and
+gears/eval/predicted_cells.py)."""
 
 from __future__ import annotations
 
@@ -63,13 +64,14 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_cycle_in_the_package():
     graph = import_graph(ROOT)
-    assert "gears.api" in graph and "gears.predict" in graph
+    assert "gears.compat.api" in graph and "gears.eval.predicted_cells" in graph
     assert cycles(graph) == []
 
 
 def test_the_cycle_finder_finds_a_lazy_cycle(tmp_path):
-    """A cycle through an import inside a function is found (as gears.api <-> gears.predict
-    was, before gears/model_folder.py)."""
+    """A cycle through an import inside a function is found (as gears.compat.api <->
+    gears.eval.predicted_cells
+    was, before gears/train/saved_model.py)."""
     (tmp_path / "gears").mkdir()
     (tmp_path / "gears" / "__init__.py").write_text("")
     (tmp_path / "gears" / "a.py").write_text("from gears.b import f\n")
@@ -117,14 +119,137 @@ def function_lengths(path: Path) -> dict[str, int]:
 
 
 def test_the_run_trains_and_scores_without_the_facade():
-    """gears/run.py builds the network and the Trainer (gears/build.py) and scores through one
-    module (gears/scoring.py), not through the GEARS facade, which is cell-gears's API for
+    """gears/cli/job.py builds the network and the Trainer (gears/train/build.py) and scores
+    through one
+    module (gears/eval/scoring.py), not through the GEARS facade, which is cell-gears's API for
     notebooks; and reads top to bottom in functions of at most 60 lines. (Seen failing when
-    _run was 155 lines and made a GEARS: it imported gears.api.)"""
+    _run was 155 lines and made a GEARS: it imported gears.compat.api.)"""
     graph = import_graph(ROOT)
-    assert "gears.api" not in graph["gears.run"]
-    assert {"gears.build", "gears.scoring"} <= graph["gears.run"]
-    assert "gears.api" not in graph["gears.scoring"] | graph["gears.build"]
-    assert {"gears.build", "gears.predictor"} <= graph["gears.api"]
-    long = {n: k for n, k in function_lengths(ROOT / "gears" / "run.py").items() if k > 60}
+    assert "gears.compat.api" not in graph["gears.cli.job"]
+    assert {"gears.train.build", "gears.eval.scoring"} <= graph["gears.cli.job"]
+    assert "gears.compat.api" not in graph["gears.eval.scoring"] | graph["gears.train.build"]
+    assert {"gears.train.build", "gears.eval.predictor"} <= graph["gears.compat.api"]
+    long = {n: k for n, k in function_lengths(ROOT / "gears" / "cli" / "job.py").items() if k > 60}
     assert long == {}, long
+
+
+# The package's floors, bottom to top (docs/tour.md): a module imports, anywhere in its text,
+# only modules on its own floor or below. gears/config.py checks data.synthetic's keys against
+# gears/data/synthetic.py, so the configuration stands on the data layer; gears/__init__.py
+# hands the cell-gears names (PertData, GEARS) on from the top and is on no floor.
+LAYERS = (
+    ("gears.errors", "gears.choices", "gears.device", "gears.io", "gears.torch_compat"),
+    ("gears.data",),
+    ("gears.config",),
+    ("gears.model",),
+    ("gears.train",),
+    ("gears.eval",),
+    ("gears.compat",),
+    ("gears.cli",),
+)
+
+
+def layer_of(module: str) -> int | None:
+    for i, prefixes in enumerate(LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return i
+    return None
+
+
+def upward_imports(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    """(module, imported) pairs where the imported module stands on a higher floor."""
+    return {
+        (m, t)
+        for m in graph
+        if m != "gears"
+        for t in graph[m]
+        if layer_of(t) is not None and layer_of(t) > layer_of(m)
+    }
+
+
+def test_every_module_stands_on_a_floor():
+    graph = import_graph(ROOT)
+    assert {m for m in graph if m != "gears" and layer_of(m) is None} == set()
+
+
+def test_no_module_imports_a_higher_floor():
+    """(Seen failing with gears/data/de.py importing gears.train.runtime for the thread-count
+    guard it now holds itself: [('gears.data.de', 'gears.train.runtime')].)"""
+    assert upward_imports(import_graph(ROOT)) == set()
+
+
+def test_the_floor_check_finds_an_upward_import(tmp_path):
+    (tmp_path / "gears" / "data").mkdir(parents=True)
+    (tmp_path / "gears" / "train").mkdir()
+    (tmp_path / "gears" / "data" / "a.py").write_text("def f():\n    from gears.train import b\n")
+    (tmp_path / "gears" / "train" / "b.py").write_text("")
+    assert upward_imports(import_graph(tmp_path)) == {("gears.data.a", "gears.train.b")}
+
+
+def test_no_two_modules_share_a_file_name():
+    """`python predict.py` and gears/predict.py, train_distributed.py and
+    gears/train_distributed.py were two files of one name: a traceback or a grep named either."""
+    names: dict[str, list[str]] = {}
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT)
+        if rel.parts[0] in ("tests", ".venv") or path.name == "__init__.py":
+            continue
+        names.setdefault(path.name, []).append(str(rel))
+    assert {n: p for n, p in names.items() if len(p) > 1} == {}
+
+
+def test_the_default_config_path_survives_a_move():
+    """The job's DEFAULT_CONFIG is configs/default.yaml. (Seen failing when gears/run.py moved to
+    gears/cli/job.py with its ROOT still parents[1]: it named gears/configs/default.yaml, which
+    train_single.py skips silently and python -m gears.cli.check_model refuses.)"""
+    from gears.cli.job import DEFAULT_CONFIG
+
+    assert DEFAULT_CONFIG == ROOT / "configs" / "default.yaml" and DEFAULT_CONFIG.exists()
+
+
+def local_imports_without_reason(root: Path) -> list[str]:
+    """`file:line` of every import of a package module inside a function (or class body) with no
+    comment on its line or the line above: an import goes to the module's top unless a cycle or
+    the start-up time forces otherwise, and then the comment says which."""
+    found = []
+    for path in sorted((root / "gears").rglob("*.py")):
+        text = path.read_text()
+        lines = ["", *text.splitlines()]  # 1-based
+        nested = [
+            node
+            for scope in ast.walk(ast.parse(text))
+            if isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            for node in ast.walk(scope)
+            if isinstance(node, (ast.Import, ast.ImportFrom))
+        ]
+        for node in nested:
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                names = [alias.name for alias in node.names]
+            if not any(n == "gears" or n.startswith("gears.") for n in names):
+                continue
+            here, above = lines[node.lineno], lines[node.lineno - 1]
+            if not (_reason(here) or above.strip().startswith("#") and _reason(above)):
+                found.append(f"{path.relative_to(root)}:{node.lineno}")
+    return sorted(set(found))
+
+
+def _reason(line: str) -> bool:
+    """A comment on the line that is more than a linter's noqa."""
+    comment = line.partition("#")[2].strip()
+    return bool(comment) and not comment.startswith("noqa")
+
+
+def test_package_imports_stand_at_the_top_or_say_why_not():
+    assert local_imports_without_reason(ROOT) == []
+
+
+def test_the_local_import_finder_finds_one_without_a_reason(tmp_path):
+    (tmp_path / "gears").mkdir()
+    (tmp_path / "gears" / "a.py").write_text(
+        "import os\n\n\ndef f():\n    from gears import b\n\n\n"
+        "def g():\n    # local: a cycle with gears.b\n    from gears import b\n\n\n"
+        "def h():\n    import numpy\n"
+    )
+    assert local_imports_without_reason(tmp_path) == ["gears/a.py:5"]

@@ -1,4 +1,5 @@
-"""Training beside a busy core and ranks sharing a node (gears/runtime.py, the entry points): idle
+"""Training beside a busy core and ranks sharing a node (gears/train/runtime.py, the entry points):
+idle
 OpenMP threads spin only while the CPUs are free (WaitGovernor), and the ranks of one node divide
 its cores."""
 
@@ -16,8 +17,8 @@ from pathlib import Path
 import pytest
 from helpers import TINY_CLI
 
-from gears import checkpoint as ckpt
-from gears.runtime import (
+from gears.train import checkpoint as ckpt
+from gears.train.runtime import (
     GOVERNED_WAITS,
     cpu_sample,
     govern_waits,
@@ -120,7 +121,7 @@ GOVERNOR_SCRIPT = """
 import os, sys, time
 sys.path.insert(0, sys.argv[1])
 import torch
-from gears.runtime import WaitGovernor
+from gears.train.runtime import WaitGovernor
 torch.set_num_threads(2)
 y = torch.randn(1_000_000)
 
@@ -169,7 +170,7 @@ def test_governor_goes_short_beside_a_busy_core():
     core (on a shared machine it may be short already: the test fails only if it never goes)."""
     import time
 
-    from gears.runtime import WaitGovernor
+    from gears.train.runtime import WaitGovernor
 
     if usable_cores() < 2:
         pytest.skip("needs 2 cores")
@@ -278,15 +279,15 @@ def test_a_launcher_still_starting_keeps_the_users_omp_num_threads():
 PROBE = textwrap.dedent(
     """
     import json, os, sys, time
-    from gears.runtime import auto_threads, share_cores, usable_cores, user_thread_count
+    from gears.train.runtime import auto_threads, share_cores, usable_cores, user_thread_count
 
     def probe(local_rank, out, cpus):
         if local_rank is not None:  # mp.spawn: the variables train_distributed.py sets
-            from gears.distributed import set_local_rank_env
+            from gears.train.distributed import set_local_rank_env
             set_local_rank_env(local_rank, 2, int(os.environ["PROBE_PORT"]))
         if cpus:  # this rank's own CPUs, as srun binds each task
             os.sched_setaffinity(0, {int(c) for c in cpus.split(";")[int(os.environ["RANK"])]})
-        from gears.distributed import rendezvous_store
+        from gears.train.distributed import rendezvous_store
         store, rank, world_size = rendezvous_store(120)
         sharers = share_cores(store, rank, world_size)
         report = dict(sharers=sharers, threads=auto_threads(), cores=usable_cores(),
@@ -309,7 +310,7 @@ PROBE = textwrap.dedent(
 
 
 def _probe(tmp_path: Path, how: str, cpus: str = "", **env: str) -> list[dict]:
-    from gears.distributed import find_free_port
+    from gears.train.distributed import find_free_port
 
     script = tmp_path / "probe.py"
     script.write_text(PROBE)

@@ -219,7 +219,7 @@ def test_the_trainer_passes_each_loss_parameter_of_the_model_config(name, value)
     from types import SimpleNamespace
 
     from gears.config import ModelConfig
-    from gears.engine import Trainer
+    from gears.train.engine import Trainer
 
     pred, y, ctrl = _data(3)
     change = pred - torch.zeros(4, dtype=torch.float64)

@@ -1,4 +1,4 @@
-"""Tests for gears/metrics.py: hand-computed cases and a slow GEARS-style loop reference."""
+"""Tests for gears/train/metrics.py: hand-computed cases and a slow GEARS-style loop reference."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import scipy.sparse as sp
 from scipy.stats import pearsonr
 
 from gears.errors import GearsInputError
-from gears.metrics import (
+from gears.train.metrics import (
     condition_metrics,
     distance_correlation,
     gi_params,

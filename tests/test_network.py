@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from opcount import SyncGuard
 from torch import nn
 
 from gears.config import ModelConfig
@@ -20,7 +21,6 @@ from gears.model.kernels import (
     output_layer,
 )
 from gears.model.network import GEARSNet, all_rows_max_norm
-from gears.opcount import SyncGuard
 
 G, P, H = 24, 10, 8  # genes, perturbable genes, hidden size
 
@@ -847,7 +847,7 @@ def test_the_fast_model_and_predict_start_without_pyg():
     import sys
 
     code = (
-        "import sys, gears.api, gears.engine, gears.predict\n"
+        "import sys, gears.compat.api, gears.train.engine, gears.eval.predicted_cells\n"
         "print(sorted(m for m in ('torch_geometric', 'torch._dynamo') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -872,7 +872,7 @@ def test_graph_buffers_are_listed_and_not_saved():
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16, torch.float16])
 def test_training_step_makes_no_host_sync(dtype):
     """No op that makes the host wait for the device in a training forward + backward
-    (gears.opcount.SyncGuard: a tensor read as a number or a condition, a tensor from Python
+    (opcount.SyncGuard: a tensor read as a number or a condition, a tensor from Python
     data, an output whose size depends on the data such as boolean-mask indexing, nonzero,
     unique or repeat_interleave without output_size), for per-row counts with and without the
     host's cell count and for equal counts, in fp32 and under bf16 / fp16 autocast. The

@@ -1,4 +1,4 @@
-"""Tests for gears/opcount.py and what it guards: the ops of a training step stay flat in the
+"""Tests for benchmarks/opcount.py and what it guards: the ops of a training step stay flat in the
 distinct perturbations of a batch (each op is a kernel launch on a GPU), and no op in the steady
 step makes the host wait for the device, in fp32, bf16 and fp16, in every row layout."""
 
@@ -8,26 +8,26 @@ import numpy as np
 import pytest
 import torch
 from helpers import tiny_split
-
-import gears.model.kernels as kernels
-from gears.api import GEARS
-from gears.config import TrainConfig
-from gears.data.loaders import Batch
-from gears.data.pertdata import PertData
-from gears.distributed import DistEnv
-from gears.engine import (
-    Trainer,
-    seed_everything,
-)
-from gears.model.batch import ModelBatch
-from gears.model.kernels import WeightedBatchNorm1d, _BlockWeightedBatchNormFn
-from gears.opcount import (
+from opcount import (
     HostSyncError,
     OpCounter,
     StepLoader,
     SyncGuard,
     count_epoch,
     guard_epoch,
+)
+
+import gears.model.kernels as kernels
+from gears.compat.api import GEARS
+from gears.config import TrainConfig
+from gears.data.loaders import Batch
+from gears.data.pertdata import PertData
+from gears.model.batch import ModelBatch
+from gears.model.kernels import WeightedBatchNorm1d, _BlockWeightedBatchNormFn
+from gears.train.distributed import DistEnv
+from gears.train.engine import (
+    Trainer,
+    seed_everything,
 )
 
 # The step's bounds (benchmarks/bench_ops.py prints the same counts on a 1,000-gene screen):
@@ -211,7 +211,7 @@ def test_sync_guard_names_the_projects_line_when_the_venv_is_inside_the_clone(
     was not torch's or its own, i.e. the installed package's line."""
     import sys
 
-    import gears.opcount as opcount
+    import opcount
 
     installed = tmp_path / ".venv" / "lib" / "python3" / "site-packages"
     installed.mkdir(parents=True)

@@ -1,4 +1,4 @@
-"""gears/plotting.py: the plots a run writes say what they show (legend and axis labels), and the
+"""gears/eval/plots.py: the plots a run writes say what they show (legend and axis labels), and the
 loss axis reads as plain numbers."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from helpers import tiny_split
 
-from gears.engine import History
-from gears.plotting import history_figure, plot_history, plot_perturbation
+from gears.eval.plots import history_figure, plot_history, plot_perturbation
+from gears.train.engine import History
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +94,7 @@ def test_a_condition_named_like_a_path_plots_inside_out_dir_plots(tmp_path):
     """The run's example plots were named by their condition: a perturbed gene named
     ../../../x/NAME wrote its plot outside out_dir. Every name now lands in out_dir/plots, one
     file each (names that clean to the same text stay apart)."""
-    from gears.run import plot_examples
+    from gears.cli.job import plot_examples
 
     out = tmp_path / "a" / "b" / "c" / "run"
     units = [
@@ -129,10 +129,10 @@ def test_a_run_whose_genes_are_named_like_paths_plots_inside_out_dir_plots(tmp_p
     import torch
     from helpers import GENES, tiny_gene2go, tiny_screen, write_gene2go
 
+    from gears.cli.job import run
     from gears.config import load_config
     from gears.data.pertdata import PertData
-    from gears.distributed import DistEnv
-    from gears.run import run
+    from gears.train.distributed import DistEnv
 
     names = {g: f"../../../x/NAME{g}" for g in ("G00", "G01", "G02", "G03")}
 
@@ -163,7 +163,7 @@ def _legend(ax) -> list[str]:
 
 def test_run_title_names_the_run_the_context_and_the_model(tmp_path):
     """Two contexts' plots had the same title, and no plot named its run or model."""
-    from gears.plotting import run_title
+    from gears.eval.plots import run_title
 
     assert run_title(tmp_path / "runs" / "norman", "GEARSNet") == "run norman | model GEARSNet"
     # one model per context: out_dir is the context's folder, the run its parent
@@ -196,9 +196,9 @@ def test_loss_plot_marks_the_kept_epoch_and_the_no_change_level():
 def test_perturbation_plot_shows_train_mean_and_for_a_double_additive(tiny):
     """The prediction stood alone: nothing told a reader whether it beat a trivial guess.
     split_baselines forms the baselines from the split (train_mean always, additive for a double
-    whose two singles were trained) as gears.baselines does."""
-    from gears.baselines import additive_predictions
-    from gears.plotting import split_baselines
+    whose two singles were trained) as gears.eval.baselines does."""
+    from gears.eval.baselines import additive_predictions
+    from gears.eval.plots import split_baselines
 
     train = [c for c in tiny.set2conditions["train"] if c != "ctrl"]
     means = dict(zip(train, tiny.condition_means(train)))

@@ -10,14 +10,14 @@ import pandas as pd
 import pytest
 from helpers import tiny_gene2go, tiny_screen, write_gene2go
 
+from gears.cli.job import DEFAULT_CONFIG, load_pert_data
 from gears.config import load_config
 from gears.data.conditions import detect_condition_key
 from gears.data.pertdata import PertData
 from gears.data.pooling import check_contexts
 from gears.data.synthetic import make_synthetic, make_vcc_layout
-from gears.distributed import DistEnv
 from gears.errors import GearsInputError
-from gears.run import DEFAULT_CONFIG, load_pert_data
+from gears.train.distributed import DistEnv
 
 
 def _two_lines(tmp_path, column: str = "cell_line", shift: float = 3.0):

@@ -17,14 +17,15 @@ import pytest
 import scipy.sparse as sp
 from vcc_helpers import HAS_CELL_EVAL, NO_CELL_EVAL, ROOT
 
-from gears import checkpoint as ckpt
-from gears.api import GEARS
-from gears.counts import MAX_COUNTS_PER_CELL, SAMPLERS
+from gears.cli.job import guarded
+from gears.compat.api import GEARS
+from gears.compat.pretrained import load_model
 from gears.data.pertdata import PertData
 from gears.data.synthetic import write_pert_counts
 from gears.errors import GearsInputError
-from gears.predict import MEAN_KEY, UNCERTAINTY_LAYER, load_model, predict_cells, read_counts
-from gears.run import guarded
+from gears.eval.counts import MAX_COUNTS_PER_CELL, SAMPLERS
+from gears.eval.predicted_cells import MEAN_KEY, UNCERTAINTY_LAYER, predict_cells, read_counts
+from gears.train import checkpoint as ckpt
 from predict import main as predict_main
 
 CONTROL = "non-targeting"
@@ -251,7 +252,7 @@ def test_written_in_chunks_equals_the_in_memory_prediction(vcc_run, tmp_path):
     """write_prediction (a few cells per chunk here) writes prediction_adata's cells: the same
     obs, X bit for bit (stored as CSR float32 without zeros, indptr as wide as indices), layer
     and uns."""
-    from gears.predict import prediction_adata, write_prediction
+    from gears.eval.predicted_cells import prediction_adata, write_prediction
 
     args, kwargs = _prediction_inputs(vcc_run)
     expected = prediction_adata(*args, **kwargs)
@@ -273,7 +274,7 @@ def test_writing_a_prediction_holds_one_chunk_not_the_output(tmp_path):
     log-variance layer); at VCC size the output is 4.3 GB (docs/predictions.md)."""
     import tracemalloc
 
-    from gears.predict import write_prediction
+    from gears.eval.predicted_cells import write_prediction
 
     rng = np.random.default_rng(0)
     n_genes, labels = 2000, ["A", "B", "C"]
@@ -319,7 +320,7 @@ def test_prediction_file_passes_cell_eval_prep(vcc_run, tmp_path):
         pytest.skip("cell-eval prep needs the zstd command, which is not installed")
     from cell_eval._cli._prep import strip_anndata
 
-    from gears.predict import write_prediction
+    from gears.eval.predicted_cells import write_prediction
 
     args, kwargs = _prediction_inputs(vcc_run)
     write_prediction(tmp_path / "p.h5ad", *args, **kwargs)
@@ -339,7 +340,7 @@ def test_prediction_file_passes_cell_eval_prep(vcc_run, tmp_path):
 # ------------------------------------------------------------- hostile inputs (one clear line)
 def test_out_that_is_a_directory_fails_before_any_prediction(vcc_run, tmp_path, capsys):
     """--out naming a folder stops at once (it used to fail only after every cell was computed)."""
-    import gears.predict as gp
+    import gears.compat.pretrained as gp
 
     labels, _ = _perturbations(vcc_run)
     calls = []
@@ -626,8 +627,8 @@ def test_the_file_records_the_model_config_code_and_sampler(vcc_run, tmp_path):
     """A prediction file said nothing of the model that made it."""
     import hashlib
 
-    from gears.counts import DEFAULT_SAMPLER
-    from gears.predict import PROVENANCE_KEY, code_commit
+    from gears.choices import DEFAULT_SAMPLER
+    from gears.eval.predicted_cells import PROVENANCE_KEY, code_commit
 
     code_commit.cache_clear()  # (asked once per process: a commit made since is not seen)
     folder = vcc_run["model"]
@@ -648,7 +649,7 @@ def test_the_file_records_the_model_config_code_and_sampler(vcc_run, tmp_path):
 
 
 def test_without_git_the_commit_is_unknown(monkeypatch):
-    from gears import predict as predict_mod
+    from gears.eval import predicted_cells as predict_mod
 
     predict_mod.code_commit.cache_clear()
     monkeypatch.setenv("PATH", "/nonexistent")
@@ -665,7 +666,7 @@ def test_more_cells_x_genes_than_32_bits_hold_widen_indices_and_indptr_together(
     cells, and one width for scipy."""
     import scanpy as sc
 
-    from gears import predict as predict_mod
+    from gears.eval import predicted_cells as predict_mod
 
     args, kwargs = _prediction_inputs(vcc_run)
     expected = predict_mod.prediction_adata(*args, **kwargs)

@@ -1,4 +1,4 @@
-"""gears/report.py: the run's final table says which protocol and epoch it scored, carries each
+"""gears/eval/report.py: the run's final table says which protocol and epoch it scored, carries each
 column's n and marks columns over fewer perturbations; the console agrees with metrics.json."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from helpers import run_train_cli, tiny_split
 
-from gears.evaluate import Evaluator
-from gears.report import TABLE_METRICS, print_table, table_lines, train_fit_line, value_text
+from gears.eval.report import TABLE_METRICS, print_table, table_lines, train_fit_line, value_text
+from gears.train.evaluate import Evaluator
 
 
 def _row(n: int, **values) -> dict:
@@ -222,7 +222,7 @@ def test_linear_equal_to_no_change_is_explained_under_the_table():
 
 
 def test_held_out_lists_the_test_perturbations_per_subgroup():
-    from gears.report import held_out
+    from gears.eval.report import held_out
 
     groups = {"combo_seen2": ["A+B", "C+D", "X+Y"], "unseen_single": ["E+ctrl"], "combo_seen0": []}
     sets = held_out(["A+B", "E+ctrl", "C+D", "A+B"], groups)
@@ -236,7 +236,7 @@ def test_held_out_lists_the_test_perturbations_per_subgroup():
 def test_matched_scores_every_predictor_on_the_smaller_columns_perturbations():
     """gears's per-perturbation metrics averaged over the perturbations additive covers, by
     hand, against matched_scores."""
-    from gears.report import matched_scores
+    from gears.eval.report import matched_scores
 
     conds = ["A+B", "C+D", "E+ctrl"]
     scored = {
@@ -338,7 +338,7 @@ def test_a_run_lists_its_held_out_perturbations_and_prints_every_predictor_per_s
 def test_no_change_validation_scores_the_control_mean_on_the_validation_set(tmp_path):
     """The level loss.png draws under the validation curve (metrics.json `val_no_change`): the
     validation mse_de of predicting the control mean, by hand."""
-    from gears.report import no_change_validation
+    from gears.eval.report import no_change_validation
 
     pert_data = tiny_split(tmp_path)
     ev = Evaluator(pert_data)

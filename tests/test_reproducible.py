@@ -18,7 +18,7 @@ import pytest
 import torch
 from helpers import metrics_without_timing, run_train_cli
 
-from gears import checkpoint as ckpt
+from gears.train import checkpoint as ckpt
 
 THREADS = 2
 EPOCHS = 2

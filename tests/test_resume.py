@@ -18,8 +18,8 @@ import torch
 import yaml
 from helpers import TINY_CLI, final_train_state, metrics_without_timing
 
-from gears import checkpoint as ckpt
-from gears.run_folder import LOCK_NAME
+from gears.cli.run_folder import LOCK_NAME
+from gears.train import checkpoint as ckpt
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,11 +10,13 @@ import pytest
 import torch
 from helpers import tiny_split
 
-from gears.api import GEARS
+from gears.compat.api import GEARS
 from gears.config import TrainConfig
 from gears.data.pertdata import PertData
-from gears.distributed import DistEnv
-from gears.engine import (
+from gears.model.batch import ModelBatch
+from gears.model.rows import pad_rows, row_bucket, row_layout, use_cell_rows
+from gears.train.distributed import DistEnv
+from gears.train.engine import (
     CELL_ROWS,
     WEIGHTED_ROWS,
     EqualRows,
@@ -22,8 +24,6 @@ from gears.engine import (
     Trainer,
     seed_everything,
 )
-from gears.model.batch import ModelBatch
-from gears.model.rows import pad_rows, row_bucket, row_layout, use_cell_rows
 from tests.test_network import _biases_cancelled_by_bn
 
 

@@ -1,4 +1,4 @@
-"""The entry points' start and end (gears/run.py): the command line, and how a run exits."""
+"""The entry points' start and end (gears/cli/job.py): the command line, and how a run exits."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from gears.cli.job import config_from_args, guarded, parse_args
 from gears.errors import GearsInputError, TrainingStopped
-from gears.run import config_from_args, guarded, parse_args
 
 
 def test_overrides_are_taken_anywhere_on_the_command_line(tmp_path):
@@ -75,7 +75,7 @@ import atexit, sys, threading, time
 from pathlib import Path
 sys.path.insert(0, sys.argv[3])
 from gears.errors import GearsInputError
-from gears.run import command
+from gears.cli.job import command
 
 out = Path(sys.argv[1])
 atexit.register(lambda: (out / "atexit").write_text("ran"))
@@ -132,8 +132,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 sys.path.insert(0, sys.argv[2])
 from tqdm import tqdm
-from gears.exiting import run_and_exit
-from gears.run import command
+from gears.cli.exiting import run_and_exit
+from gears.cli.job import command
 
 out = Path(sys.argv[1])
 pool = ThreadPoolExecutor(2, thread_name_prefix="pool")  # as inductor leaves its compile workers
@@ -170,7 +170,7 @@ def test_a_command_exits_whatever_threads_a_library_left_behind(tmp_path, entry)
     import subprocess
     import sys
 
-    from gears.exiting import EXIT_WAIT_S
+    from gears.cli.exiting import EXIT_WAIT_S
 
     script = tmp_path / "leftovers.py"
     script.write_text(LEFTOVERS_SCRIPT)
@@ -206,7 +206,7 @@ def test_a_compiled_cpu_run_exits_once_its_outputs_are_written(tmp_path):
     import subprocess
     import sys
 
-    from gears.exiting import EXIT_WAIT_S
+    from gears.cli.exiting import EXIT_WAIT_S
     from tests.helpers import TINY_CLI
 
     root = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""gears/run_folder.py: a run folder belongs to one run. Another run's outputs are never written
+"""gears/cli/run_folder.py: a run folder belongs to one run. Another run's outputs are never written
 over (a new out_dir, train.resume=true or replace_out_dir=true), and a live run's lock refuses a
 second one and dies with its process."""
 
@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from helpers import TINY_CLI
 
-from gears import checkpoint as ckpt
+from gears.cli.run_folder import LOCK_NAME, claim_on_rank_0, prior_outputs
 from gears.errors import GearsInputError
-from gears.run_folder import LOCK_NAME, claim_on_rank_0, prior_outputs
+from gears.train import checkpoint as ckpt
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -92,7 +92,7 @@ def test_out_dir_that_is_a_file(tmp_path):
 _HOLDER = textwrap.dedent(
     """
     import sys, time
-    from gears.run_folder import claim_on_rank_0
+    from gears.cli.run_folder import claim_on_rank_0
     held = claim_on_rank_0(sys.argv[1], resume=False, replace=False)
     print("held", flush=True)
     time.sleep(120)

@@ -1,4 +1,5 @@
-"""gears/runtime.py: thread pools that stay set (data processing too), allocator thresholds."""
+"""gears/train/runtime.py: thread pools that stay set (data processing too), allocator
+thresholds."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 from helpers import SYNTHETIC_PARAMS
 
-from gears.runtime import set_threads, tune_allocator
+from gears.train.runtime import set_threads, tune_allocator
 
 
 def test_set_threads_sets_torch_and_numba_and_zero_leaves_them():
@@ -35,7 +36,7 @@ def test_tune_allocator_stops_page_faults_on_repeated_large_tensors():
     code = textwrap.dedent(
         """
         import resource, torch
-        from gears.runtime import tune_allocator
+        from gears.train.runtime import tune_allocator
 
         def faults_per_step(steps=7):
             # The median step: robust to a stray fault burst on a shared machine.

@@ -1,9 +1,9 @@
-"""gears/seeds.py's summary: every column's n, a mark where a column averages over fewer
+"""gears/cli/seeds.py's summary: every column's n, a mark where a column averages over fewer
 perturbations than GEARS's, and the protocol and selection rule of the seeds."""
 
 from __future__ import annotations
 
-from gears.seeds import summarize_seeds, summary_markdown
+from gears.cli.seeds import summarize_seeds, summary_markdown
 
 
 def _row(n: int, value: float) -> dict:

@@ -118,9 +118,9 @@ def test_batch_norm_types_fall_back_to_the_public_classes(monkeypatch):
 
 # -------------------------------------------------------------- pickled tensors' globals
 def _globals_named(data: bytes) -> set[tuple[str, str]]:
-    """(module, name) of every global the pickle names, read by gears.cell_gears's unpickler
+    """(module, name) of every global the pickle names, read by gears.compat.cell_gears's unpickler
     (which refuses any global it does not admit)."""
-    from gears.cell_gears import ConfigUnpickler
+    from gears.compat.cell_gears import ConfigUnpickler
 
     named = set()
 

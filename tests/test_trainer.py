@@ -12,17 +12,17 @@ import pytest
 import torch
 from helpers import tiny_split
 
-from gears import checkpoint as ckpt
-from gears import metrics
-from gears.api import GEARS
+from gears.compat.api import GEARS
 from gears.config import TrainConfig
 from gears.data.conditions import CTRL
 from gears.data.pertdata import PertData
-from gears.distributed import DistEnv
-from gears.engine import Trainer, seed_everything
 from gears.errors import TrainingStopped
 from gears.model.batch import ModelBatch
-from gears.training_state import TrainState
+from gears.train import checkpoint as ckpt
+from gears.train import metrics
+from gears.train.distributed import DistEnv
+from gears.train.engine import Trainer, seed_everything
+from gears.train.state import TrainState
 
 HIDDEN = 16
 
@@ -52,7 +52,7 @@ def _loaders(pd_: PertData, batch_size: int = 16) -> dict:
 
 # --------------------------------------------------------------- validation metrics, selection
 def _gears_val_metrics(pd_: PertData, weights: dict) -> dict[str, float]:
-    """GEARS's metrics (gears/metrics.py, as the final test metrics) on the validation
+    """GEARS's metrics (gears/train/metrics.py, as the final test metrics) on the validation
     perturbations for these weights, from the cells themselves: the network in eval mode gives
     each perturbation's change, plus the mean of all control cells."""
     net = GEARS(pd_, device="cpu").model_initialize(hidden_size=HIDDEN).model

@@ -15,14 +15,14 @@ import scipy.sparse as sp
 import torch
 from vcc_helpers import HAS_CELL_EVAL, NO_CELL_EVAL, ROOT, VCC_PARAMS, write_vcc_files
 
+from gears.cli.job import run
 from gears.config import load_config
 from gears.data.conditions import detect_condition_key
 from gears.data.pertdata import PertData
 from gears.data.synthetic import make_vcc_layout, write_gene2go_tsv, write_vcc_example
-from gears.distributed import DistEnv
 from gears.errors import GearsInputError
-from gears.predict import require_cell_eval
-from gears.run import run
+from gears.eval.predicted_cells import require_cell_eval
+from gears.train.distributed import DistEnv
 
 CELL_EVAL_METRICS = ("mae", "overlap_at_N", "discrimination_score_l1")
 

@@ -1,6 +1,7 @@
 """The Virtual Cell Challenge 2026 round trip: a raw-count file with contexts in (configs/
-vcc2026.yaml, PertData.contexts / context_view, gears/contexts.py), integer counts out
-(predict.py --output counts) and cell-eval2's vcc2026 score of every context (gears/vcc2026.py)."""
+vcc2026.yaml, PertData.contexts / context_view, gears/cli/contexts.py), integer counts out
+(predict.py --output counts) and cell-eval2's vcc2026 score of every context
+(gears/eval/vcc2026.py)."""
 
 from __future__ import annotations
 
@@ -18,16 +19,16 @@ import scipy.sparse as sp
 import torch
 from vcc_helpers import ROOT
 
+from gears.cli.job import guarded, load_pert_data, run
 from gears.config import load_config
-from gears.counts import MAX_COUNTS_PER_CELL, raw_counts
 from gears.data import de as de_mod
 from gears.data.pertdata import PertData
 from gears.data.synthetic import make_vcc2026_layout, write_vcc2026_example
-from gears.distributed import DistEnv
 from gears.errors import GearsInputError
-from gears.predict import read_counts
-from gears.run import guarded, load_pert_data, run
-from gears.vcc2026 import MEMBERS
+from gears.eval.counts import MAX_COUNTS_PER_CELL, raw_counts
+from gears.eval.predicted_cells import read_counts
+from gears.eval.vcc2026 import MEMBERS
+from gears.train.distributed import DistEnv
 from predict import main as predict_main
 
 HAS_CELL_EVAL2 = all(importlib.util.find_spec(m) for m in ("cell_eval2", "pdex"))
@@ -203,7 +204,7 @@ def _config(files, tmp_path, *overrides):
 
 
 def test_context_models_chooses_one_model_per_context_or_one_across(files, tmp_path):
-    from gears.contexts import one_model_per_context, reads_context
+    from gears.cli.contexts import one_model_per_context, reads_context
 
     assert one_model_per_context(_config(files, tmp_path))  # auto: GEARS reads no context
     assert one_model_per_context(_config(files, tmp_path, "data.context_models=per_context"))
@@ -226,7 +227,7 @@ def test_context_models_chooses_one_model_per_context_or_one_across(files, tmp_p
 
 
 def test_a_network_reading_the_context_trains_across_contexts(files, tmp_path):
-    from gears.contexts import one_model_per_context
+    from gears.cli.contexts import one_model_per_context
 
     fork = f"model.impl={ROOT / 'examples' / 'context_gears.py'}:ContextGEARS"
     assert not one_model_per_context(_config(files, tmp_path, fork))
@@ -237,9 +238,9 @@ def test_cell_eval2_refuses_what_it_cannot_score_per_context(files, tmp_path):
     """eval.cell_eval2 scores one context's model at a time, from cells built as predict.py
     builds them: one model across contexts (it would mix the contexts' real cells) and a
     network that reads covariates are refused before training."""
-    from gears.contexts import one_model_per_context
+    from gears.cli.contexts import one_model_per_context
+    from gears.eval.vcc2026 import require_scorable
     from gears.model import network_class
-    from gears.vcc2026 import require_scorable
 
     fast = network_class("fast")
     per_context = _config(files, tmp_path)
@@ -391,7 +392,7 @@ def test_the_rescaled_members_are_cell_eval2_score_real_bundle(files, tmp_path):
         pytest.skip(NO_CELL_EVAL2)
     from cell_eval2.cli import main as cell_eval2_main
 
-    from gears.vcc2026 import score_vcc2026
+    from gears.eval.vcc2026 import score_vcc2026
 
     # A screen deep enough that all six members are defined (the official gate refuses a
     # degenerate member, where score_vcc2026 reports it unscored).
@@ -462,7 +463,7 @@ def test_cell_eval2_missing_is_refused_before_training(files, tmp_path, monkeypa
 
 def test_counts_output_needs_a_model_trained_from_counts(tmp_path, capsys):
     """A model trained on log-normalised data has no raw scale to invert: one line, exit 2."""
-    from gears.api import GEARS
+    from gears.compat.api import GEARS
 
     pert = PertData(tmp_path / "data", verbose=False).load(
         "synthetic", synthetic_params={"n_genes": 40, "n_single": 6, "n_double": 0}
@@ -495,7 +496,8 @@ HAND_SCORE = (0.75 + 0.25 + 0.2 + 0.5 + 0.75) / 5  # 0.49
 
 
 class _FakeAgg:
-    """What gears.vcc2026 reads of cell-eval2's aggregate: its 'mean' row (one value a member)."""
+    """What gears.eval.vcc2026 reads of cell-eval2's aggregate: its 'mean' row (one value a
+    member)."""
 
     def __init__(self, values: dict):
         self.values = dict(values)
@@ -515,7 +517,7 @@ class _FakeAgg:
 
 
 def fake_cell_eval2(monkeypatch) -> None:
-    """cell-eval2's interface as gears.vcc2026 calls it, with HAND's baseline and replicate per
+    """cell-eval2's interface as gears.eval.vcc2026 calls it, with HAND's baseline and replicate per
     member and a linear score_one: installed in sys.modules whether or not cell-eval2 is."""
     import dataclasses
     import types
@@ -593,7 +595,7 @@ def test_rescale_puts_the_baseline_at_0_and_the_replicate_at_1(which, monkeypatc
     """rescale(member, raw, baseline, replicate) against HAND's values: by the fake (offline,
     the argument order and the direction of each member), and by cell-eval2's own catalog
     policies where it is installed (the hand values are the official ones)."""
-    from gears.vcc2026 import rescale
+    from gears.eval.vcc2026 import rescale
 
     if which == "fake":
         fake_cell_eval2(monkeypatch)
@@ -612,7 +614,7 @@ def test_score_vcc2026_rescales_each_member_and_averages_the_scored_ones(monkeyp
     """score_vcc2026 on a fake cell-eval2 (runs without it): each member's baseline and
     replicate reported as given, each raw value rescaled by hand's (u - b) / (r - b), the
     member with no scale unscored (None) and out of the mean, the score the mean of the five."""
-    from gears.vcc2026 import score_vcc2026
+    from gears.eval.vcc2026 import score_vcc2026
 
     fake_cell_eval2(monkeypatch)
     real = ad.AnnData(
@@ -649,7 +651,7 @@ def test_a_replicate_at_the_baseline_is_unscored_not_a_crash(monkeypatch):
     import cell_eval2.anchor as anchor_mod
     import polars as pl
 
-    from gears.vcc2026 import rescale, score_vcc2026
+    from gears.eval.vcc2026 import rescale, score_vcc2026
 
     member = "de_wilcoxon_direction_fidelity_yield_raw"
     real, _ = make_vcc2026_layout(
@@ -679,7 +681,7 @@ def test_a_replicate_at_the_baseline_is_unscored_not_a_crash(monkeypatch):
     )
     # The public rescale keeps its signature and answers None for such ends, never raises.
     assert rescale(member, 0.3, 0.0, 0.0) is None
-    from gears.vcc2026 import scale_problem
+    from gears.eval.vcc2026 import scale_problem
 
     assert "metric_min" in scale_problem(member, 0.0, 0.0)
     assert rescale(member, 0.5, 0.0, 1.0) == pytest.approx(0.5)
@@ -692,7 +694,7 @@ def test_scoring_that_fails_keeps_every_context_and_the_summary(
     optional scoring; a scorer that raises prints one line, and the run ends with its models."""
     if not HAS_CELL_EVAL2:
         pytest.skip(NO_CELL_EVAL2)
-    import gears.vcc2026
+    import gears.eval.vcc2026
 
     out = tmp_path / "run"
     seen = []
@@ -707,7 +709,7 @@ def test_scoring_that_fails_keeps_every_context_and_the_summary(
             "metric_min (0.0) must be strictly below anchor (0.0) for a higher-is-better metric"
         )
 
-    monkeypatch.setattr(gears.vcc2026, "test_split_scores", failing_scorer)
+    monkeypatch.setattr(gears.eval.vcc2026, "test_split_scores", failing_scorer)
     cfg = _config(
         files,
         tmp_path,
@@ -735,7 +737,7 @@ def test_scoring_that_fails_keeps_every_context_and_the_summary(
 
 # ------------------------------------------------------------ context names become paths
 def test_context_folders_are_safe_names():
-    from gears.contexts import SUMMARY_NAMES, context_folder, context_folders
+    from gears.cli.contexts import SUMMARY_NAMES, context_folder, context_folders
 
     for name in [".", "..", "../up", "/abs/path", "a/b", "a\\b", ".hidden", "", " ", "x" * 3]:
         folder = context_folder(name)

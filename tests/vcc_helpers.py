@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
+from gears.cli.job import run
 from gears.config import load_config
 from gears.data.synthetic import make_vcc_layout, write_gene2go_tsv
-from gears.distributed import DistEnv
-from gears.run import run
+from gears.train.distributed import DistEnv
 
 ROOT = Path(__file__).resolve().parents[1]
 VCC_PARAMS = dict(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import NamedTuple
 
@@ -9,6 +10,7 @@ import anndata as ad
 import numpy as np
 import pandas as pd
 import scipy.sparse as sp
+import torch
 
 from gears.data.conditions import CTRL, canonicalize_conditions, control_like_genes
 from gears.data.validate import gene_names_of
@@ -23,6 +25,21 @@ NON_ZERO_KEY = "non_zeros_gene_idx"  # condition -> int gene indices with non-ze
 DE_KEYS = (RANK_KEY, TOP_NON_DROPOUT_KEY, TOP_NON_ZERO_KEY, NON_DROPOUT_KEY, NON_ZERO_KEY)
 N_DE = 20  # GEARS's "top-20 DE genes"
 N_DE_RANKED = 200  # longest DE list the metrics use (top-200 variants)
+
+
+@contextlib.contextmanager
+def torch_threads_kept():
+    """Give torch back its intra-op thread count on exit. scanpy's numba t-test starts numba's
+    OpenMP layer, which sets the libgomp pool torch shares to NUMBA_NUM_THREADS (every logical
+    core, whatever OMP_NUM_THREADS said): a run that computes DE would then train at another
+    thread count, so with another float summation order, than one that loads it processed
+    (a resumed run on a real dataset)."""
+    before = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
 
 
 def condition_means(X, codes: np.ndarray, n_groups: int) -> np.ndarray:
@@ -64,8 +81,6 @@ def compute_de(adata: ad.AnnData, n_top: int = 20) -> dict[str, dict[str, np.nda
     )
     light.var_names = var_names
     light.obs["condition"] = light.obs["condition"].astype("category")
-    from gears.runtime import torch_threads_kept
-
     # scanpy's own pandas fragmentation warnings; torch's thread count as it was
     with warnings.catch_warnings(), torch_threads_kept():
         warnings.simplefilter("ignore", pd.errors.PerformanceWarning)

@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, Sampler
 
 from gears.device import holds_device_memory, to_device
+from gears.errors import GearsInputError
 
 # Dense expression up to this many bytes; larger screens stay CSR and are densified per batch.
 DENSE_LIMIT_BYTES = 8 * 1024**3
@@ -443,8 +444,6 @@ def train_loader(
     `grouped` (perturbations x cells) or `block` (block-shuffled reads, BlockShuffleSampler)."""
     if batching == "grouped":
         if batch_size % cells_per_group:
-            from gears.errors import GearsInputError
-
             raise GearsInputError(
                 f"train.batching=grouped needs train.batch_size ({batch_size}) to be a multiple "
                 f"of train.cells_per_group ({cells_per_group})"

@@ -11,7 +11,6 @@ from pathlib import Path
 import anndata as ad
 import numpy as np
 
-from gears.checkpoint import atomic_write
 from gears.choices import CHOICES
 from gears.data import de as de_mod
 from gears.data import graphs, splits
@@ -41,7 +40,7 @@ from gears.data.vocabulary import (
     resolve_unmapped_perts,
 )
 from gears.errors import GearsInputError
-from gears.io import write_h5ad
+from gears.io import atomic_write, write_h5ad
 
 
 class PertData:
@@ -111,7 +110,7 @@ class PertData:
         self.condition_spelling: dict[str, str] = {}
         self.normalize_target_sum: float | None = None  # set by normalize='log1p'
         # Raw counts' totals per cell [cells] (normalize='log1p'): the depth that counts output
-        # (gears/counts.py) gives predicted cells.
+        # (gears/eval/counts.py) gives predicted cells.
         self.library_size: np.ndarray | None = None
         # Contexts (e.g. cell lines; data.context_key): set by set_context_key, which load
         # calls with its context_key.

@@ -10,10 +10,10 @@ import h5py
 import numpy as np
 import pandas as pd
 
-from gears.checkpoint import CheckpointWriteError, atomic_write
 from gears.data import download
 from gears.data.synthetic import write_gene2go_tsv
 from gears.errors import GearsInputError
+from gears.io import CheckpointWriteError, atomic_write
 
 PROCESSED_NAME = "perturb_processed.h5ad"
 # data.store=auto: an .h5ad whose file or dense float32 matrix is larger than this is processed

@@ -39,9 +39,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from gears.checkpoint import atomic_write
 from gears.choices import SPLIT_TYPES
+from gears.data.graphs import _PlainUnpickler
 from gears.errors import GearsInputError
+from gears.io import atomic_write
 
 SIMULATION_SUBGROUPS = ("combo_seen0", "combo_seen1", "combo_seen2", "unseen_single")
 _SET_NAMES = ("train", "val", "test")
@@ -614,8 +615,6 @@ def _read_pickle(raw: bytes) -> Any:
     """GEARS's split pickles hold dicts of lists of names: nothing else is built, so a shared
     split file cannot run code."""
     import io
-
-    from gears.data.graphs import _PlainUnpickler
 
     return _PlainUnpickler(io.BytesIO(raw)).load()
 

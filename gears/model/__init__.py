@@ -16,6 +16,7 @@ from pathlib import Path, PurePath
 
 from torch import nn
 
+from gears.config import _coerce
 from gears.errors import GearsInputError
 from gears.model.contract import declared_options, graph_buffer_names  # noqa: F401 (re-exported)
 from gears.model.network import GEARSNet
@@ -83,8 +84,6 @@ def network_options(network: type, extra: dict, impl: str) -> dict:
     """A network's own options, resolved: the class's `options` ({name: default}) updated with
     `extra` (model.extra), each value read as its default's type. An unknown name is refused,
     naming the options the network accepts."""
-    from gears.config import _coerce
-
     declared = declared_options(network)
     unknown = sorted(set(extra) - set(declared))
     if unknown:

@@ -86,7 +86,7 @@ def gears_loss(
     With `logvar` [B, G] the focal term becomes err + reg * (exp(-logvar) * err + logvar): the
     Gaussian negative log-likelihood term that GEARS's uncertainty loss lacks (without the
     `+ logvar` penalty, logvar -> +inf minimises it). n_groups: the real groups (a 0-dim
-    tensor) when counts [U] is padded with groups of count 0 (gears/graph_step.py).
+    tensor) when counts [U] is padded with groups of count 0 (gears/train/graph_step.py).
     """
     weights = _group_weights(inverse, counts.float(), gene_mask, n_groups)
     if logvar is None:

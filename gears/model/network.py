@@ -144,7 +144,7 @@ class GEARSNet(nn.Module):
     def fixed_shape_graphs(self, limit_bytes: int = DENSE_GRAPH_BYTES) -> None:
         """Propagate over the GO and co-expression graphs as dense [N, N] products from now on
         (each one's matrix at most limit_bytes; a larger one keeps the sparse product): no
-        sparse tensor is built per call, so a captured step (gears/graph_step.py) holds only
+        sparse tensor is built per call, so a captured step (gears/train/graph_step.py) holds only
         fixed-shape kernels. Same products to float rounding (summation order)."""
         for name in ("co",) if self.go_rows_gathered else ("go", "co"):
             crow, col, values = self._sparse_graph(name)[:3]

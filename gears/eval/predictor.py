@@ -13,10 +13,10 @@ from gears.data.conditions import CTRL, canonical_condition, condition_genes
 from gears.data.covariates import CONTEXT, encode
 from gears.device import to_host
 from gears.errors import GearsInputError
-from gears.evaluate import Evaluator, predict_deltas
+from gears.eval.plots import plot_perturbation, split_baselines
 from gears.model.batch import declared_covariates, predicted_expression, reads_x
-from gears.model_folder import control_sample_rows
-from gears.plotting import plot_perturbation, split_baselines
+from gears.train.evaluate import Evaluator, predict_deltas
+from gears.train.saved_model import control_sample_rows
 
 # A network that reads x predicts a perturbation's mean from this many control cells (a seeded
 # sample), as cell-gears's predict() runs 300.

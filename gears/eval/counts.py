@@ -5,12 +5,13 @@ Training normalises raw counts y of a cell with library size L (its total) as
 x = log1p(y * T / L), T = data.normalize's target sum (the median total). Inverting it gives
 the cell's expected counts, its *rate*: rate = expm1(x) * L / T; a real cell's rate is its own
 counts again (`raw_counts`). normalize_total keeps only a cell's composition, so a predicted
-cell (a real control cell plus GEARS's predicted change in log space, gears.predict) is
+cell (a real control cell plus GEARS's predicted change in log space, gears.eval.predicted_cells) is
 inverted as a composition, expm1(x) / sum(expm1(x)), times a library size
 (`composition_rates`): that control cell's, or, with `--counts`, that scaled to the requested
 median UMI per cell; its expected total is then exactly that depth.
 
-Samplers (`SAMPLERS`), all seeded, all with E[counts] = the rate they are given:
+Samplers (`SAMPLERS`, in gears/choices.py), all seeded, all with E[counts] = the rate they are
+given:
   poisson      counts ~ Poisson(rate): the rate's counts plus Poisson noise.
   multinomial  counts ~ Multinomial(round(sum of rate), rate / sum): Poisson given its total,
                so each cell's total is its rate's (to within rounding).
@@ -28,10 +29,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from gears.choices import SAMPLERS
 from gears.errors import GearsInputError
 
-SAMPLERS = ("rounding", "poisson", "multinomial", "nb")
-DEFAULT_SAMPLER = "rounding"  # scored best on the 2026 metrics (docs/predictions.md)
 MAX_COUNTS_PER_CELL = 1_000_000  # cell-eval2's vcc2026 max_counts_per_cell
 ROWS_PER_DRAW = 256  # cells per random stream: draws do not depend on how output is chunked
 NB_MEAN_CELLS = 256  # control cells averaged for a perturbation's mean rate (sampler nb)

@@ -1,6 +1,6 @@
 """Process-group setup: rank (torchrun, Slurm or single), device, backend, collectives.
 
-Order of a distributed run (gears/train_distributed.py): rendezvous store -> data built in
+Order of a distributed run (gears/cli/launch.py): rendezvous store -> data built in
 stages over the store (no collective, no watchdog) -> process group -> training -> gathered
 predictions -> `release` (barrier, destroy) -> rank-0-only scoring with no group left to time out.
 """

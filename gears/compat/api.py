@@ -7,38 +7,38 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gears import cell_gears
-from gears import checkpoint as ckpt
-from gears.build import (
+from gears.compat import cell_gears
+from gears.config import DataConfig, DistributedConfig, ModelConfig, TrainConfig
+from gears.errors import GearsInputError
+from gears.eval.predictor import (
+    PREDICT_CONTROL_CELLS,  # noqa: F401 (re-exported: the control cells predict() reads)
+    Predictor,
+)
+from gears.train import checkpoint as ckpt
+from gears.train.build import (
     LOADER_KEYS,  # noqa: F401 (re-exported: the loader settings train() compares)
     BuiltNetwork,
     build_network,
     new_network,
     train_network,
 )
-from gears.config import DataConfig, DistributedConfig, ModelConfig, TrainConfig
-from gears.distributed import DistEnv, choose_device
-from gears.engine import Trainer
-from gears.errors import GearsInputError
-from gears.evaluate import Evaluator
-from gears.metrics import gi_params
-from gears.model_folder import (
+from gears.train.distributed import DistEnv, choose_device
+from gears.train.engine import Trainer
+from gears.train.evaluate import Evaluator
+from gears.train.metrics import gi_params
+from gears.train.saved_model import (
     CONFIG_FILE,
     MODEL_FILE,
     checkpoint_meta,
     read_model_json,
     write_model_folder,
 )
-from gears.predictor import (
-    PREDICT_CONTROL_CELLS,  # noqa: F401 (re-exported: the control cells predict() reads)
-    Predictor,
-)
 
 
 class GEARS:
     """Train and query a GEARS model on a PertData (after `prepare_split`): cell-gears's API over
-    the pieces the run uses too (gears.build's network and Trainer, gears.predictor's
-    predictions, gears.model_folder's saved folder)."""
+    the pieces the run uses too (gears.train.build's network and Trainer, gears.eval.predictor's
+    predictions, gears.train.saved_model's saved folder)."""
 
     def __init__(
         self,
@@ -65,7 +65,7 @@ class GEARS:
         self.model_folder: Path | None = None  # the folder load_pretrained read it from
         self.trust_code = False  # whether that folder's own code (a fork's file) may run
         # A model loaded from cell-gears: its predict() protocol around self.model (predictions
-        # equal cell-gears's); None otherwise (gears/cell_gears.py CellGearsPrediction).
+        # equal cell-gears's); None otherwise (gears/compat/cell_gears.py CellGearsPrediction).
         self.cell_gears_net: torch.nn.Module | None = None
         self.trainer: Trainer | None = None
         # The one Evaluator of this model (validation in training, evaluate), built with the
@@ -142,7 +142,7 @@ class GEARS:
 
     def _build(self, go_ei, go_w, co_ei, co_w) -> None:
         """The network model.impl names (self.model_cfg), its covariates' categories
-        (self.config's, else this data's), and the model's one Evaluator (gears.build)."""
+        (self.config's, else this data's), and the model's one Evaluator (gears.train.build)."""
         built = build_network(
             self.pert_data,
             self.model_cfg,
@@ -183,7 +183,7 @@ class GEARS:
         control_mean: str = "all",
         **train_kwargs,
     ):
-        """Train with the shared engine (gears.build.train_network); keeps the model chosen by
+        """Train with the shared engine (gears.train.build.train_network); keeps the model chosen by
         train_cfg.select (the final one by default; `val_mse_de` is GEARS's best_model).
         control_mean: how validation forms predicted means
         (config.CHOICES['eval.control_mean'])."""
@@ -218,7 +218,7 @@ class GEARS:
 
     # -------------------------------------------------------------------------------- predict
     def predictor(self) -> Predictor:
-        """This model's predictions by gene names (gears.predictor): from prediction_net()."""
+        """This model's predictions by gene names (gears.eval.predictor): from prediction_net()."""
         if self.model is None:
             raise GearsInputError("no model: call model_initialize()+train() or load_pretrained()")
         # A network set by hand (model.model = net) has no config.json record: no covariates.
@@ -295,8 +295,8 @@ class GEARS:
         """GEARS's plot: true per-cell changes on the top-20 DE genes with the prediction
         (for a network that reads covariates, the prediction for `covariates`' values), and
         beside it train_mean and, for a double, additive (baselines: name -> [genes] mean
-        profile; None: formed from the split, gears.plotting.split_baselines). title: a second
-        title line (gears.plotting.run_title)."""
+        profile; None: formed from the split, gears.eval.plots.split_baselines). title: a second
+        title line (gears.eval.plots.run_title)."""
         return self.predictor().plot_perturbation(
             query, save_file, covariates, baselines=baselines, title=title
         )
@@ -313,7 +313,7 @@ class GEARS:
     def save_model(self, path: str | Path) -> None:
         """A folder with config.json and model.pt (weights without any DDP `module.` prefix,
         plus the graphs and gene lists, so loading needs no graph rebuild), and for predict.py
-        control_cells.h5ad and prediction.json (gears.model_folder.write_model_folder). A
+        control_cells.h5ad and prediction.json (gears.train.saved_model.write_model_folder). A
         fork's network file (model.impl=path/to/file.py:Class) is copied in with the modules
         beside it that it imports (gears.model.fork_files), and loads from there (with
         trust_code)."""
@@ -342,7 +342,7 @@ class GEARS:
         it was trained on, without this project's PertData: adata (AnnData or .h5ad path, e.g.
         its perturb_processed.h5ad), gene2go (its gene2go_all.pkl) and, for cell-gears's
         default perturbation graph, gene_set (its essential_all_data_pert_genes.pkl) give the
-        gene and perturbation order as cell-gears builds it (gears/cell_gears.py,
+        gene and perturbation order as cell-gears builds it (gears/compat/cell_gears.py,
         docs/cell_gears_models.md). Predictions add the mean of all the data's control cells."""
         vocab = cell_gears.vocabulary_of_data(adata, gene2go, gene_set)
         model = cls(vocab, device=device)
@@ -356,7 +356,7 @@ class GEARS:
         trust_code: bool = False,
     ) -> GEARS:
         """Load a model folder written by save_model, or by cell-gears's save_model (config.pkl
-        + model.pt; gears/cell_gears.py, docs/cell_gears_models.md). A cell-gears model's
+        + model.pt; gears/compat/cell_gears.py, docs/cell_gears_models.md). A cell-gears model's
         vocabulary must be this PertData's: its sizes are checked, and with check_go_graph its
         perturbation order against the model's GO graph. cell_gears_predict: predict as
         cell-gears's predict() does (True, same numbers) or with this project's network, which

@@ -1,4 +1,5 @@
-"""Results over several split seeds: `python -m gears.seeds --seeds 1,2,3,4,5 [--config F] [k=v]`.
+"""Results over several split seeds: `python -m gears.cli.seeds --seeds 1,2,3,4,5 [--config F]
+[k=v]`.
 
 Each seed is one whole run (train_single.py's job) with `split.seed` and `seed` (weights, batch
 order, control pairing) both set to it, written to <out_dir>/seed_<s>/. The summary gives, per
@@ -15,7 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
+from gears.cli.job import config_from_args, parse_args, run
 from gears.errors import GearsInputError
+from gears.eval.baselines import BASELINES
+from gears.train.distributed import DistEnv, choose_device
 
 SUMMARY_METRICS = ("mse", "mse_de", "pearson_delta", "pearson_delta_de")
 
@@ -90,8 +94,6 @@ def summarize_seeds(results: dict[int, dict]) -> dict:
 
 
 def _ordered(models: set) -> list[str]:
-    from gears.baselines import BASELINES
-
     rank = {m: i for i, m in enumerate(("gears", *BASELINES))}
     return sorted(models, key=lambda m: (rank.get(m, len(rank)), m))
 
@@ -202,9 +204,6 @@ def collect(root: Path) -> dict[int, dict]:
 def run_seeds(args, seeds: list[int]) -> dict:
     """Run the main job once per seed (in this process); rewrite the summary after each seed,
     so an interrupted series still leaves the summary of the seeds it finished."""
-    from gears.distributed import DistEnv, choose_device
-    from gears.run import config_from_args, run
-
     base = config_from_args(args)
     root = Path(base.out_dir)
     title = f"{args.config or 'configs/default.yaml'} {' '.join(args.overrides)}".strip()
@@ -232,8 +231,6 @@ def run_seeds(args, seeds: list[int]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from gears.run import parse_args
-
     def extra(parser):
         parser.add_argument("--seeds", default="1,2,3,4,5", help="split seeds, e.g. 1,2,3")
         parser.add_argument(
@@ -247,6 +244,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    from gears.run import command
+    from gears.cli.job import command
 
     command(lambda: main(sys.argv[1:]))

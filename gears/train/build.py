@@ -1,6 +1,6 @@
 """A model's parts built from its config and a PertData: the network, config.json's record of
 it and its Evaluator; then the training loaders and the Trainer that fits it. The run
-(gears/run.py) and the GEARS facade (gears/api.py) build with these alone."""
+(gears/cli/job.py) and the GEARS facade (gears/compat/api.py) build with these alone."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ import torch
 from gears.config import DataConfig, DistributedConfig, ModelConfig, TrainConfig
 from gears.data.covariates import data_categories
 from gears.device import module_to_device
-from gears.distributed import DistEnv
-from gears.engine import Trainer
 from gears.errors import GearsInputError
-from gears.evaluate import Evaluator
 from gears.model import network_class, network_options
 from gears.model.batch import declared_covariates
-from gears.training_state import History
+from gears.train.distributed import DistEnv
+from gears.train.engine import Trainer
+from gears.train.evaluate import Evaluator
+from gears.train.state import History
 
 # TrainConfig fields that shape the data loaders (PertData.dataloader_settings has them too).
 LOADER_KEYS = (

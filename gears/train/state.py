@@ -2,7 +2,7 @@
 checkpoint and back: what a checkpoint holds, what a resuming run must share with it
 (`checkpoint_meta`, and the run's `fingerprint`), rank 0's write, and the read that every rank
 resumes from (rank 0 reads, then broadcasts); and a stop on SIGTERM or SIGINT, which ends in a
-checkpoint. Files are written by gears/checkpoint.py."""
+checkpoint. Files are written by gears/train/checkpoint.py."""
 
 from __future__ import annotations
 
@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from gears import checkpoint as ckpt
 from gears.device import to_device, to_host
-from gears.distributed import all_gather_objects, all_reduce_max, barrier, broadcast_object
 from gears.errors import GearsInputError, TrainingStopped
+from gears.io import CheckpointWriteError
 from gears.model import code_digest, graph_buffer_names
+from gears.train import checkpoint as ckpt
+from gears.train.distributed import all_gather_objects, all_reduce_max, barrier, broadcast_object
 
 
 @dataclass
@@ -298,7 +299,7 @@ def checkpoint_meta(trainer) -> dict:
 
 
 def fingerprint(trainer) -> dict:
-    """The run's identity (gears.checkpoint.run_fingerprint: settings, data, split, graphs,
+    """The run's identity (gears.train.checkpoint.run_fingerprint: settings, data, split, graphs,
     world size; a fork's source, gears.model.code_digest), computed once per trainer; a
     resume must match it (checkpoint.check_resume)."""
     if trainer._fingerprint is None:
@@ -354,11 +355,11 @@ def write_checkpoint(trainer) -> None:
         try:
             ckpt.atomic_save(training_state(trainer), path)
             ckpt.prune(folder, keep=2)
-        except ckpt.CheckpointWriteError as e:
+        except CheckpointWriteError as e:
             failed = str(e)
     failed = broadcast_object(trainer.env, failed)  # (also the barrier after the write)
     if failed is not None:
-        error = ckpt.CheckpointWriteError(failed)
+        error = CheckpointWriteError(failed)
         error.reported = not trainer.env.is_main  # one line, from rank 0
         error.every_rank = True
         raise error

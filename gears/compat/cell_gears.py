@@ -25,11 +25,13 @@ from torch import nn
 
 from gears.config import ModelConfig
 from gears.data.conditions import CTRL, condition_genes
+from gears.data.graphs import _open_bytes, _PlainUnpickler, read_gene2go
 from gears.device import to_device
 from gears.errors import GearsInputError
 from gears.model.batch import ModelBatch
 from gears.model.kernels import gcn_normalised_csr
 from gears.torch_compat import tensor_pickle_globals
+from gears.train.saved_model import SavedVocabulary
 
 CONFIG_PICKLE, WEIGHTS_FILE = "config.pkl", "model.pt"
 
@@ -364,8 +366,6 @@ def map_state_dict(
 def _read_name_list(path: Path) -> list[str]:
     """A gene list: a pickle of a list/set/tuple of names (cell-gears's gene_set_path and
     essential_all_data_pert_genes.pkl), read without running code, or a text file, one a line."""
-    from gears.data.graphs import _open_bytes, _PlainUnpickler
-
     with _open_bytes(path) as fh:
         head = fh.read(1)
     if head == b"\x80":  # a pickle (protocol >= 2)
@@ -401,8 +401,6 @@ def cell_gears_vocabulary(
     the perturbed ones); for the default (default_pert_graph=True) the
     essential_all_data_pert_genes.pkl in cell-gears's data_path, or the gene_set_path given.
     pert_list = the sorted unique candidates that have a gene2go entry."""
-    from gears.data.graphs import read_gene2go
-
     genes = [str(g) for g in gene_names]
     if isinstance(gene2go, str | Path):
         gene2go = read_gene2go(Path(gene2go))
@@ -573,9 +571,6 @@ def vocabulary_of_data(
     the mean of all the data's control cells, and the perturbations' GO terms for the GO-graph
     check)."""
     import anndata as ad
-
-    from gears.data.graphs import read_gene2go
-    from gears.model_folder import SavedVocabulary
 
     if isinstance(adata, str | Path):
         if not Path(adata).is_file():

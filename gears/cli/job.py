@@ -15,31 +15,31 @@ from urllib.parse import urlparse
 
 import numpy as np
 
-from gears import checkpoint as ckpt
-from gears import scoring
-from gears.build import LOADER_KEYS, BuiltNetwork, new_network, train_network
+from gears.cli.contexts import one_model_per_context, run_contexts
+from gears.cli.exiting import EXIT_WAIT_S, exit_quickly  # noqa: F401 (EXIT_WAIT_S: for callers)
+from gears.cli.run_folder import claim_run_folder, prior_outputs
 from gears.config import Config, load_config
-from gears.contexts import one_model_per_context, run_contexts
 from gears.data.pertdata import PertData
-from gears.distributed import DistEnv, build_in_stages, release
-from gears.engine import Trainer, seed_everything
 from gears.errors import GearsInputError, TrainingStopped
-from gears.exiting import EXIT_WAIT_S, exit_quickly  # noqa: F401 (EXIT_WAIT_S: for callers)
-from gears.faults import injected_delay
-from gears.io import file_name
+from gears.eval import scoring
+from gears.eval.plots import plot_history, run_title
+from gears.eval.predicted_cells import print_cell_eval_table, require_cell_eval
+from gears.eval.predictor import Predictor
+from gears.eval.report import print_table
+from gears.eval.vcc2026 import print_vcc2026_table, require_cell_eval2, require_scorable
+from gears.io import CheckpointWriteError, atomic_write, file_name
 from gears.model import network_class, network_options
-from gears.model_folder import write_model_folder
-from gears.plotting import plot_history, run_title
-from gears.predict import print_cell_eval_table, require_cell_eval
-from gears.predictor import Predictor
-from gears.report import print_table
-from gears.run_folder import claim_run_folder, prior_outputs
-from gears.runtime import auto_threads, set_threads, tune_allocator, wait_report
 from gears.torch_compat import default_store
-from gears.training_state import History
-from gears.vcc2026 import print_vcc2026_table, require_cell_eval2, require_scorable
+from gears.train import checkpoint as ckpt
+from gears.train.build import LOADER_KEYS, BuiltNetwork, new_network, train_network
+from gears.train.distributed import DistEnv, build_in_stages, release
+from gears.train.engine import Trainer, seed_everything
+from gears.train.faults import injected_delay
+from gears.train.runtime import auto_threads, set_threads, tune_allocator, wait_report
+from gears.train.saved_model import write_model_folder
+from gears.train.state import History
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = ROOT / "configs" / "default.yaml"
 
 
@@ -86,7 +86,7 @@ def split_and_graphs(pert_data, cfg: Config):
 
 def load_pert_data(cfg: Config, env: DistEnv, store=None, split: bool = True):
     """Every rank's PertData; rank 0 first (downloads, writes caches), then the others read them.
-    split=False: loaded only, not split and without graphs (gears.contexts splits each
+    split=False: loaded only, not split and without graphs (gears.cli.contexts splits each
     context's view).
 
     The ranks wait for each other on a store (`build_in_stages`, distributed.data_wait_s), never
@@ -167,10 +167,10 @@ def _clean(obj):
 
 
 def run(cfg: Config, env: DistEnv, pert_data=None, later: list | None = None) -> dict | None:
-    """Train on cfg's data (gears.build), score the test set beside the baselines
-    (gears.scoring), write the run directory (rank 0).
+    """Train on cfg's data (gears.train.build), score the test set beside the baselines
+    (gears.eval.scoring), write the run directory (rank 0).
 
-    The run owns out_dir while it lives (gears.run_folder: a lock, and never another run's
+    The run owns out_dir while it lives (gears.cli.run_folder: a lock, and never another run's
     outputs overwritten). pert_data: this rank's data when the launcher prepared it before
     joining the group. After the test predictions are gathered every rank leaves the process
     group (`release`); the other ranks return None and rank 0 scores, runs baselines, plots and
@@ -179,19 +179,19 @@ def run(cfg: Config, env: DistEnv, pert_data=None, later: list | None = None) ->
     The model and metrics.json are written before the optional outputs (plots, cell-eval,
     cell-eval2), and a failure in those prints one line and keeps the run. later: a list that
     receives the optional outputs as a callable (-> the updated results) instead of running
-    them (gears.contexts runs every context's once every model is written)."""
+    them (gears.cli.contexts runs every context's once every model is written)."""
     check_before_the_run(cfg)
     if env.is_main:  # rank 0 alone logs to wandb
         check_wandb_login(cfg)
     folder = claim_run_folder(cfg, env)
     try:
         return _run(cfg, env, pert_data, later)
-    except ckpt.CheckpointWriteError as e:
+    except CheckpointWriteError as e:
         # A full disk after the first checkpoint: this run continues from its checkpoints
         # (a plain rerun would be refused, the folder now holding them).
         if "train.resume=true" in str(e) or not prior_outputs(Path(cfg.out_dir)):
             raise
-        error = ckpt.CheckpointWriteError(
+        error = CheckpointWriteError(
             f"{e} with train.resume=true (this run's checkpoints are kept)"
         )
         error.reported, error.every_rank = e.reported, e.every_rank
@@ -321,7 +321,7 @@ def _start(cfg: Config, env: DistEnv) -> bool:
 
 
 def train_model(cfg: Config, env: DistEnv, pert_data, wandb_run) -> Trained:
-    """cfg's network, trained on pert_data with checkpoints in out_dir (gears.build)."""
+    """cfg's network, trained on pert_data with checkpoints in out_dir (gears.train.build)."""
     seed_everything(cfg.seed)  # the same initial weights on every rank, whatever ran before
     built = new_network(pert_data, cfg.model, cfg.data, env)
     t_train, cpu_train = time.perf_counter(), time.process_time()
@@ -344,7 +344,7 @@ def train_model(cfg: Config, env: DistEnv, pert_data, wandb_run) -> Trained:
 
 def leave_process_group(trained: Trained, env: DistEnv) -> DistEnv:
     """After the last collective of a distributed run: drop the DDP wrapper while the process
-    group is alive, leave the group (gears.distributed.release), and go on in this process
+    group is alive, leave the group (gears.train.distributed.release), and go on in this process
     alone (rank 0 scores and writes; the others are done). -> the new DistEnv."""
     trained.trainer.unwrap()
     env = release(env)
@@ -424,7 +424,7 @@ def write_outputs(
 def _write_metrics(out: Path, results: dict) -> dict:
     results = _clean(results)
     text = json.dumps(results, indent=1)
-    ckpt.atomic_write(out / "metrics.json", lambda tmp: tmp.write_text(text))
+    atomic_write(out / "metrics.json", lambda tmp: tmp.write_text(text))
     return results
 
 
@@ -449,7 +449,8 @@ def _optional_outputs(
 ) -> dict:
     """Plots, cell-eval and cell-eval2 of a run whose model and metrics.json are written (rank
     0); each that fails prints one line. metrics.json is rewritten with the scores.
-    scores: gears.scoring.Scores (the test units and the baselines' means). -> the run's results"""
+    scores: gears.eval.scoring.Scores (the test units and the baselines' means).
+    -> the run's results"""
     t0 = time.perf_counter()
     _optional("plots", lambda: _plots(cfg, out, results, predictor, pert_data, history, scores))
     args = (cfg, pert_data, predictor, scores.conditions, scores.baseline_means, out)

@@ -10,15 +10,17 @@ from pathlib import Path
 
 import torch
 
-from gears import checkpoint as ckpt
+from gears.device import to_device, to_host
 from gears.errors import GearsInputError
-from gears.faults import injected_delay
+from gears.train import checkpoint as ckpt
+from gears.train.distributed import all_reduce_max, broadcast_object
+from gears.train.faults import injected_delay
 
 LOCK_NAME = ".gears.lock"
 # How long a resuming rank 0 waits for the lock: under torchrun a restarted worker may start
 # while its killed predecessor's loader processes, which share the lock, are still exiting.
 RESUME_LOCK_WAIT_S = 15.0
-# This process's locks by folder: a later run in the same process (python -m gears.seeds, a
+# This process's locks by folder: a later run in the same process (python -m gears.cli.seeds, a
 # notebook) takes over its own earlier run's lock instead of being refused by it.
 _HELD: dict[str, RunFolder] = {}
 
@@ -195,9 +197,6 @@ def claim_run_folder(cfg, env) -> RunFolder:
     nodes count one); its refusal is raised on every rank, printed by rank 0 alone."""
     resume = cfg.train.resume
     if env.distributed:
-        from gears.device import to_device, to_host
-        from gears.distributed import all_reduce_max
-
         flag = to_device(torch.tensor(float(resume)), env.device)
         resume = bool(to_host(all_reduce_max(env, flag)).item())
     held, refusal = RunFolder(), None
@@ -207,8 +206,6 @@ def claim_run_folder(cfg, env) -> RunFolder:
         except GearsInputError as e:
             refusal = str(e)
     if env.distributed:
-        from gears.distributed import broadcast_object
-
         refusal = broadcast_object(env, refusal)
     if refusal is not None:
         injected_delay("refusal", env.rank)  # (a test hook: rank 0 last to raise)

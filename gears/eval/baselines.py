@@ -35,7 +35,7 @@ def baseline_predictions(
 
     `additive` is NaN on rows it cannot form (a single not seen in training, or a double with
     a single missing from training); callers score it only on the rows it covers, e.g. by
-    passing those rows alone or by the nan-mean of `gears.metrics.summarize`.
+    passing those rows alone or by the nan-mean of `gears.train.metrics.summarize`.
     """
     ctrl = np.asarray(ctrl_mean, dtype=np.float64).ravel()
     n_genes = ctrl.size

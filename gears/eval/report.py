@@ -10,6 +10,9 @@ two genes) prints as "-". A constant prediction (`no_change`) has Pearson 0 in b
 
 from __future__ import annotations
 
+from gears.data.conditions import CTRL
+from gears.train.metrics import summarize
+
 TABLE_METRICS = (
     "mse",
     "mse_de",
@@ -101,8 +104,6 @@ def matched_scores(scored: dict[str, dict]) -> dict:
 
     scored: predictor -> `Evaluator.full` output ("conditions", "per_condition"), gears included.
     Returns {predictor: {"conditions": [...], "scores": {predictor: {metric: mean}}}}."""
-    from gears.metrics import summarize
-
     n_gears = len(scored["gears"]["conditions"])
     out = {}
     for name, own in scored.items():
@@ -249,8 +250,6 @@ def no_change_validation(evaluator, ctrl_mean) -> dict[str, float]:
     """no_change's per-epoch validation metrics (Evaluator.quick on the control mean): the
     level loss.png draws under the validation curve; {} without a validation perturbation."""
     import numpy as np
-
-    from gears.data.conditions import CTRL
 
     if not [c for c in evaluator.pd.set2conditions.get("val", []) if c != CTRL]:
         return {}

@@ -15,8 +15,13 @@ from pathlib import Path
 
 import numpy as np
 
-from gears import checkpoint as ckpt
+from gears.data import splits
+from gears.data.conditions import CTRL
 from gears.errors import GearsInputError
+from gears.eval.predicted_cells import require_cell_eval
+from gears.eval.vcc2026 import require_cell_eval2
+from gears.io import atomic_write
+from gears.model import network_class
 from gears.model.contract import declared_covariates
 
 SUMMARY_FILE = "contexts.json"  # context -> its run folder and model, for predict.py
@@ -35,8 +40,6 @@ def one_model_per_context(cfg) -> bool:
         return False
     if cfg.data.context_models == "per_context":
         return True
-    from gears.model import network_class
-
     return not reads_context(network_class(cfg.model.impl))
 
 
@@ -89,9 +92,6 @@ def context_folders(contexts) -> dict[str, str]:
 def check_splittable(cfg, pert_data, contexts) -> None:
     """Split each context's conditions as its view will (cfg.split), before any context
     trains: a context that cannot be split is named now, not after the others have trained."""
-    from gears.data import splits
-    from gears.data.conditions import CTRL
-
     if pert_data.cell_context is None or pert_data.cell_condition is None:
         return
     split = cfg.split
@@ -132,8 +132,8 @@ def run_contexts(cfg, env, pert_data, *, load, prepare, run_one) -> dict | None:
 
     pert_data: the whole data (not split), or None to load it with load(cfg, env);
     prepare(view, cfg) splits a context's view and builds its graphs; run_one(cfg, env,
-    pert_data=view) trains and scores it (gears.run passes its own; this module imports
-    nothing of gears.run, which dispatches here)."""
+    pert_data=view) trains and scores it (gears.cli.job passes its own; this module imports
+    nothing of gears.cli.job, which dispatches here)."""
     if env.world_size > 1:
         raise GearsInputError(
             "data.context_key trains one model per context, one after another, in one "
@@ -141,12 +141,8 @@ def run_contexts(cfg, env, pert_data, *, load, prepare, run_one) -> dict | None:
             "data.subset={<context column>: <context>} and data.context_key=null"
         )
     if cfg.eval.cell_eval:
-        from gears.predict import require_cell_eval
-
         require_cell_eval()
     if cfg.eval.cell_eval2:
-        from gears.vcc2026 import require_cell_eval2
-
         require_cell_eval2()  # before any context trains
     out = Path(cfg.out_dir)
     if pert_data is None:
@@ -195,13 +191,13 @@ def _write_summary(cfg, out: Path, per_context: dict, folders: dict[str, str]) -
     summary = summarize(cfg.data.context_key, per_context)
     summary["folders"] = dict(folders)
     text = json.dumps(summary, indent=1)
-    ckpt.atomic_write(out / "metrics.json", lambda tmp: tmp.write_text(text))
+    atomic_write(out / "metrics.json", lambda tmp: tmp.write_text(text))
     index = {
         "context_key": cfg.data.context_key,
         "contexts": {name: f"{folders[name]}/model" for name in per_context},
     }
     index_text = json.dumps(index, indent=1)
-    ckpt.atomic_write(out / SUMMARY_FILE, lambda tmp: tmp.write_text(index_text))
+    atomic_write(out / SUMMARY_FILE, lambda tmp: tmp.write_text(index_text))
     return summary
 
 

@@ -13,7 +13,10 @@ from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 from matplotlib.ticker import FuncFormatter, MaxNLocator, NullFormatter  # noqa: E402
 
+from gears.data.conditions import CTRL
 from gears.device import to_host  # noqa: E402
+from gears.eval.baselines import additive_predictions
+from gears.io import atomic_write
 
 # A loss that falls by less than this factor reads best on a linear axis; a log axis over a
 # narrow range labels its ticks as 8.2x10^0.
@@ -26,7 +29,7 @@ def run_title(
 ) -> str:
     """What a plot names so it stands alone: the run (out_dir's name), the context if any, the
     model (network class). context_run: out_dir is one context's folder of a run that trains
-    one model per context (gears.contexts), so the run is its parent folder."""
+    one model per context (gears.cli.contexts), so the run is its parent folder."""
     out = Path(out_dir)
     parts = [f"run {out.parent.name if context_run else out.name}"]
     if context is not None:
@@ -104,8 +107,6 @@ def plot_history(
 def _save(fig, save_file: str | Path) -> None:
     """savefig through a temp file and a rename (a full disk leaves no partial PNG, and an
     error line instead of a traceback), then close the figure."""
-    from gears.checkpoint import atomic_write
-
     try:
         atomic_write(save_file, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     finally:
@@ -121,11 +122,8 @@ PLOT_BASELINES = {
 
 def split_baselines(pert_data, condition: str) -> dict[str, np.ndarray]:
     """The PLOT_BASELINES predictions of one condition from pert_data's split (as
-    gears.baselines forms them): name -> [genes] mean profile; additive only where it can be
+    gears.eval.baselines forms them): name -> [genes] mean profile; additive only where it can be
     formed, nothing without a training perturbation."""
-    from gears.baselines import additive_predictions
-    from gears.data.conditions import CTRL
-
     train = [c for c in (getattr(pert_data, "set2conditions", None) or {}).get("train", [])]
     train = [c for c in train if c != CTRL and c in pert_data.cond_to_id]
     if not train:

@@ -8,8 +8,8 @@ import torch
 
 from gears.choices import CHOICES
 from gears.data.conditions import CTRL
+from gears.data.covariates import cell_codes
 from gears.device import to_device, to_host
-from gears.distributed import DistEnv, all_gather_objects
 from gears.errors import GearsInputError
 from gears.model.batch import (
     ModelBatch,
@@ -18,6 +18,8 @@ from gears.model.batch import (
     reads_x,
     split_output,
 )
+from gears.train import metrics
+from gears.train.distributed import DistEnv, all_gather_objects
 
 EVAL_CHUNK = 64  # conditions per forward; fixed so results do not depend on the world size
 EVAL_PAIRING_EPOCH = 0  # evaluation pairs each cell with the control drawn for epoch 0
@@ -42,7 +44,8 @@ def predict_deltas(
     it declares; x: for a network that reads x, each row's control cell, [N, G] or a function
     of row positions giving their [n, G] rows. -> change [N, G] float64 (logvar [N, G] or
     None). Chunks of EVAL_CHUNK rows are dealt round-robin to ranks and gathered, so every rank
-    gets the full, identical result. runner: a ForwardRunner of this network (gears/graph_step.py,
+    gets the full, identical result. runner: a ForwardRunner of this network
+    (gears/train/graph_step.py,
     train.cuda_graphs) runs each chunk, EVAL_CHUNK rows padded, as a replayed graph; the same
     numbers to float rounding (tests/test_graph_eval.py).
     """
@@ -140,7 +143,7 @@ class Evaluator:
         self.control_mean = control_mean
         self.categories = dict(categories or {})
         self._cache: dict = {}
-        # A ForwardRunner of `net` (gears/graph_step.py): set by the Trainer with
+        # A ForwardRunner of `net` (gears/train/graph_step.py): set by the Trainer with
         # train.cuda_graphs on; predict_deltas then runs it (None: eager forwards).
         self.forward_runner = None
 
@@ -200,8 +203,6 @@ class Evaluator:
 
     def cell_covariates(self, names: tuple[str, ...]) -> dict[str, np.ndarray]:
         """Each cell row's code [cells] per covariate, against the model's categories."""
-        from gears.data.covariates import cell_codes
-
         missing = [n for n in names if n not in self.categories]
         if missing:
             raise GearsInputError(
@@ -299,8 +300,6 @@ class Evaluator:
         pred_mean [C, G] scores given predictions (baselines) instead of the network's.
         Returns {"per_condition": {metric: [C]}, "summary": {"overall": ..., subgroup: ...}}.
         """
-        from gears import metrics
-
         view = self.set_view(set_name)
         if pred_mean is None:
             pred_mean = self.predict_means(set_name, net)

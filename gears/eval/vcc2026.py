@@ -32,9 +32,13 @@ import numpy as np
 import pandas as pd
 import scipy.sparse as sp
 
-from gears.counts import raw_counts
 from gears.data.conditions import CTRL, condition_genes
 from gears.errors import GearsInputError
+from gears.eval.counts import raw_counts
+from gears.eval.predicted_cells import CountsSpec, counts_spec, prediction_adata
+from gears.model.batch import declared_covariates, reads_x
+from gears.train.evaluate import predict_deltas
+from gears.train.saved_model import MAX_SAVED_CONTROL_CELLS, control_sample_rows
 
 PRESET = "vcc2026"
 DE_BACKEND = "pdex"  # a CPU engine: 'auto' picks gpudge on a CUDA host, or refuses without it
@@ -69,9 +73,7 @@ def require_scorable(cfg, network, per_context: bool) -> None:
     """eval.cell_eval2 scores one context's model at a time, its test cells turned into cells
     as predict.py writes them (a saved control cell plus its perturbation's change): one model
     across contexts, or a network that reads the control cell or covariates, is refused before
-    training, by name. per_context: gears.contexts.one_model_per_context(cfg)."""
-    from gears.model.batch import declared_covariates, reads_x
-
+    training, by name. per_context: gears.cli.contexts.one_model_per_context(cfg)."""
     if reads_x(network) or declared_covariates(network):
         reads = "x" if reads_x(network) else list(declared_covariates(network))
         raise GearsInputError(
@@ -353,10 +355,6 @@ def test_split_scores(
     eval.counts_sampler at the real perturbation's median depth (what the challenge's counts
     file gives). A baseline that does not predict every test perturbation (additive on
     singles) is left out, named under "not_scored"."""
-    from gears.evaluate import predict_deltas
-    from gears.model_folder import MAX_SAVED_CONTROL_CELLS, control_sample_rows
-    from gears.predict import CountsSpec, prediction_adata
-
     require_cell_eval2()
     t0 = time.perf_counter()
     counts = pert_data.normalize_target_sum is not None and pert_data.library_size is not None
@@ -420,8 +418,6 @@ def test_split_scores(
             not_scored[name] = "does not predict every test perturbation"
             continue
         if spec is not None and spec.sampler == "nb":
-            from gears.predict import counts_spec
-
             info = {"normalize_target_sum": spec.target_sum}
             controls.obs["library_size"] = spec.library_size
             nb = counts_spec(info, controls, d, "nb", spec.seed)

@@ -13,14 +13,14 @@ from pathlib import Path
 
 import numpy as np
 
-from gears import vcc2026
-from gears.baselines import baseline_predictions
 from gears.config import Config
 from gears.data.conditions import condition_genes
-from gears.evaluate import Evaluator
-from gears.predict import score_test_set
-from gears.predictor import Predictor
-from gears.report import held_out, matched_scores, no_change_validation
+from gears.eval import vcc2026
+from gears.eval.baselines import baseline_predictions
+from gears.eval.predicted_cells import score_test_set
+from gears.eval.predictor import Predictor
+from gears.eval.report import held_out, matched_scores, no_change_validation
+from gears.train.evaluate import Evaluator
 
 
 @dataclass
@@ -158,5 +158,5 @@ def cell_eval2_scores(
     cfg: Config, pert_data, predictor: Predictor, conditions, baseline_means, out: Path
 ) -> dict:
     """cell-eval2's Virtual Cell Challenge 2026 scores of the test split for GEARS and every
-    baseline (gears.vcc2026.test_split_scores). Rank 0 only."""
+    baseline (gears.eval.vcc2026.test_split_scores). Rank 0 only."""
     return vcc2026.test_split_scores(cfg, pert_data, predictor.net, conditions, baseline_means, out)

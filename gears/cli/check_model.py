@@ -1,4 +1,4 @@
-"""`python -m gears.check_model [--config FILE] [key=value ...]`: the configured network
+"""`python -m gears.cli.check_model [--config FILE] [key=value ...]`: the configured network
 (model.impl, a fork's class included) against the network contract (gears/model/batch.py), and
 the fast network (gears/model/network.py, kernels.py) against the reference
 (gears/model/reference.py, or a fork of it with the same parameters) from the same weights,
@@ -37,9 +37,16 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
-from gears.config import Config, TrainConfig
-from gears.distributed import DistEnv
-from gears.engine import (
+from gears.cli.job import DEFAULT_CONFIG, load_pert_data
+from gears.compat.api import GEARS
+from gears.config import Config, TrainConfig, load_config
+from gears.model import NETWORKS, GEARSNet, is_class_spec
+from gears.model.batch import ModelBatch, predicted_expression, split_output
+from gears.model.contract import declared_covariates, per_cell_rows, reads_x
+from gears.model.rows import batch_rows, cell_outputs, row_layout
+from gears.torch_compat import is_batch_norm
+from gears.train.distributed import DistEnv
+from gears.train.engine import (
     CELL_ROWS,
     WEIGHTED_ROWS,
     CellRows,
@@ -48,11 +55,6 @@ from gears.engine import (
     WeightedRows,
     seed_everything,
 )
-from gears.model import NETWORKS, GEARSNet, is_class_spec
-from gears.model.batch import ModelBatch, predicted_expression, split_output
-from gears.model.contract import declared_covariates, per_cell_rows, reads_x
-from gears.model.rows import batch_rows, cell_outputs, row_layout
-from gears.torch_compat import is_batch_norm
 
 TOLERANCE = 1e-5  # relative to each tensor's scale (float64 nets, float32 loss: measured <= 2e-8)
 # How a network's training mode is compared: as it is (deterministic), with its dropout modules
@@ -253,9 +255,6 @@ def check_model(cfg: Config, pert_data=None, batches: int = 2, tol: float = TOLE
     network and that one with its weights (float64), `batches` training batches of random and
     of grouped batching through Trainer.loss_on (the engine's row layouts for each, and the
     weighted one), then one in evaluation mode."""
-    from gears.api import GEARS
-    from gears.run import load_pert_data
-
     env = DistEnv()
     pert_data = pert_data or load_pert_data(cfg, env)
     report = Report(tol=tol)
@@ -542,11 +541,8 @@ def _update(result: LayerResult, out_err, grad_err, where: str, tol: float) -> N
 
 
 def main(argv: list[str] | None = None) -> int:
-    from gears.config import load_config
-    from gears.run import DEFAULT_CONFIG
-
     parser = argparse.ArgumentParser(
-        prog="python -m gears.check_model",
+        prog="python -m gears.cli.check_model",
         description="Compare the fast network with the reference layer by layer.",
         epilog="overrides are dotted config keys, e.g. model.hidden_size=32",
     )
@@ -562,6 +558,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from gears.run import command
+    from gears.cli.job import command
 
     command(lambda: sys.exit(main()))

@@ -30,7 +30,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
-ROOT = Path(__file__).resolve().parents[1]  # the repository's root (gears/..)
+ROOT = Path(__file__).resolve().parents[1]  # the repository's root (benchmarks/..)
 
 PHASES = ("loader", "forward", "loss", "backward", "optimizer", "bookkeeping")
 
@@ -167,7 +167,7 @@ class OpRecorder(TorchDispatchMode):
     """Records every aten op dispatched while active, forward and backward, as (op name, its
     arguments with each tensor written as (shape, dtype) and everything else as it is): two
     calls that record the same list dispatch the same kernels in the same shapes, the condition
-    for replaying them as one CUDA graph (gears/graph_step.py). Profiler markers (the
+    for replaying them as one CUDA graph (gears/train/graph_step.py). Profiler markers (the
     optimizer's record_function) launch nothing and are left out."""
 
     def __init__(self):
@@ -441,7 +441,7 @@ def _run_epoch(trainer, requests, gather, epoch, set_phase, on_batch) -> None:
         trainer.train_epoch(StepLoader(requests, gather_batch, on_batch), epoch, progress=False)
 
 
-_MARK = "gears.opcount:"
+_MARK = "opcount:"
 _KERNEL_PREFIXES = ("triton_",)
 
 

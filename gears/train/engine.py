@@ -14,22 +14,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gears import checkpoint as ckpt
 from gears.choices import CHOICES
 from gears.config import DistributedConfig, ModelConfig, TrainConfig, check_impl
 from gears.device import module_to_device, to_device, to_host
-from gears.distributed import (
-    DistEnv,
-    all_gather_objects,
-    all_reduce_max,
-    all_reduce_mean,
-    barrier,
-    broadcast_object,
-    set_tf32,
-)
 from gears.errors import GearsInputError, NonFiniteLossError
-from gears.evaluate import EVAL_CHUNK, Evaluator
-from gears.faults import FaultPlan
 from gears.model.batch import check_output, predicted_expression
 from gears.model.contract import (
     declared_covariates,
@@ -54,7 +42,20 @@ from gears.model.rows import (  # noqa: F401 (the layouts, re-exported)
     row_layout,
 )
 from gears.torch_compat import compiled_backward_config, ddp_ignore, is_batch_norm
-from gears.training_state import (  # noqa: F401 (rng_state, set_rng_state: re-exported)
+from gears.train import checkpoint as ckpt
+from gears.train.distributed import (
+    DistEnv,
+    all_gather_objects,
+    all_reduce_max,
+    all_reduce_mean,
+    barrier,
+    broadcast_object,
+    set_tf32,
+)
+from gears.train.evaluate import EVAL_CHUNK, Evaluator
+from gears.train.faults import FaultPlan
+from gears.train.graph_step import EpochPlan, ForwardRunner, PlanUnsupported, StepRunner
+from gears.train.state import (  # noqa: F401 (rng_state, set_rng_state: re-exported)
     History,
     TrainState,
     epoch_position,
@@ -105,7 +106,7 @@ def optimizer_kernel(
     """The update kernel for a device: fused Adam/AdamW on CUDA and CPU (one kernel for all
     parameters; on CPU faster than `foreach`, with the same parameters to ~1e-6), the
     multi-tensor `foreach` path elsewhere (SGD, other devices). capturable (the planned step,
-    gears/graph_step.py, which replays the update inside a CUDA graph): Adam and AdamW keep
+    gears/train/graph_step.py, which replays the update inside a CUDA graph): Adam and AdamW keep
     their step count on the device and take a tensor learning rate; SGD runs its fused kernel,
     which reads the tensor learning rate on the device (the foreach one reads it on the
     host)."""
@@ -441,7 +442,7 @@ class Trainer:
         run_config: dict | None = None,
     ):
         self.cfg, self.model_cfg, self.env = train_cfg, model_cfg, env
-        # The whole Config as a dict: the run's fingerprint (gears.training_state.fingerprint).
+        # The whole Config as a dict: the run's fingerprint (gears.train.state.fingerprint).
         self.run_config = run_config
         self._fingerprint = None
         self.pert_data = pert_data
@@ -481,7 +482,7 @@ class Trainer:
         )
         self.evaluator = evaluator or Evaluator(pert_data, env, self.net, control_mean)
         # Epoch, step, best model, early-stopping count, mid-epoch position, history, skipped
-        # steps: what a checkpoint saves and a resume restores (gears.training_state).
+        # steps: what a checkpoint saves and a resume restores (gears.train.state).
         self.state = TrainState()
         self.vocab_hash = ckpt.vocab_hash(pert_data.gene_names, pert_data.pert_names)
         # The signal (SIGTERM or SIGINT) that asked to stop, 0 for none; acted on at the next
@@ -604,14 +605,12 @@ class Trainer:
 
     # ------------------------------------------------------------------- the planned step
     def step_runner(self, loader):
-        """The planned step's runner for this loader (gears/graph_step.py), or None: not asked
+        """The planned step's runner for this loader (gears/train/graph_step.py), or None: not asked
         for, or not possible here (one line says why, once)."""
         if not self.planned:
             return None
         if self.runner is not None and self.runner.plan.loader is loader:
             return self.runner
-        from gears.graph_step import EpochPlan, ForwardRunner, PlanUnsupported, StepRunner
-
         why = planned_step_refusal(self, loader)
         plan = None
         if why is None:
@@ -797,12 +796,12 @@ class Trainer:
 
     # ---------------------------------------------------------------------------- checkpoints
     def save_checkpoint(self) -> None:
-        """Rank 0 writes the whole training state (gears.training_state.write_checkpoint)."""
+        """Rank 0 writes the whole training state (gears.train.state.write_checkpoint)."""
         write_checkpoint(self)
 
     def resume(self, asked: bool = True) -> bool:
         """Continue from the newest readable checkpoint in out_dir/checkpoints, if any, when any
-        rank asks (gears.training_state.resume). Every rank calls this."""
+        rank asks (gears.train.state.resume). Every rank calls this."""
         # (the kernel this run steps with: a checkpoint of eager steps names another)
         kernel = optimizer_kernel(self.cfg.optimizer, self.device, self.planned)
         if not resume(self, asked, kernel):

@@ -12,7 +12,6 @@ match (check_resume: RESUME_MAY_CHANGE lists the keys that may differ).
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import io
 import os
@@ -20,82 +19,18 @@ import pickle
 import re
 import signal
 import zipfile
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from gears.device import to_host
 from gears.errors import GearsInputError
+from gears.io import CHECKPOINT_NAME, atomic_write
 
 FORMAT_VERSION = 2
-# epoch_0003.pt: 3 epochs done; epoch_0003_step_000012.pt: 3 epochs + 12 optimizer steps of the
-# 4th (written when a SIGTERM stopped training mid-epoch).
-_NAME = re.compile(r"^epoch_(\d+)(?:_step_(\d+))?\.pt$")
-
-
-class CheckpointWriteError(GearsInputError):
-    """A file could not be written (disk full, quota, permissions); the old file is intact."""
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Make a rename durable: fsync its folder (a no-op where folders cannot be opened)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _os_error_in(error: BaseException) -> OSError | None:
-    """The OSError behind `error` (itself, or in its chain of causes), if any."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        if isinstance(error, OSError):
-            return error
-        seen.add(id(error))
-        error = error.__cause__ or error.__context__
-    return None
-
-
-def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
-    """Call `write(tmp_path)` on a temp file next to `path`, fsync it, rename it over `path` and
-    fsync the folder. On any failure the temp file is removed and `path` is left as it was; an
-    OSError (disk full, file too large, read-only) becomes a CheckpointWriteError saying so."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        try:
-            write(tmp)
-        except Exception as e:  # torch.save re-raises a failed write as a RuntimeError
-            os_error = _os_error_in(e)
-            if os_error is None:
-                raise
-            raise os_error from None
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-    except OSError as e:
-        full = e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
-        why = "the disk is full or a size/quota limit was hit" if full else "writing failed"
-        kept = "the previous file is kept unchanged" if path.exists() else "nothing was written"
-        raise CheckpointWriteError(
-            f"could not write {path}: {why} ({e.strerror or e}); {kept}. Free space in "
-            f"{path.parent} (or point out_dir / data.data_dir to a larger disk) and run again"
-            + (" with train.resume=true" if _NAME.match(path.name) else "")
-        ) from None
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    return path
 
 
 def atomic_save(obj: Any, path: str | Path) -> Path:
@@ -209,7 +144,7 @@ def list_checkpoints(folder: str | Path) -> list[Path]:
     found = [
         ((int(m.group(1)), int(m.group(2) or 0)), p)
         for p in folder.iterdir()
-        if (m := _NAME.match(p.name))
+        if (m := CHECKPOINT_NAME.match(p.name))
     ]
     return [p for _, p in sorted(found)]
 
@@ -423,8 +358,6 @@ def run_fingerprint(
     split PertData. graph_buffers: the network's graph buffers by name (on any device).
     Costs one read of SAMPLED_CELLS cells; small values are kept as they are, tables as
     16-hex hashes."""
-    from gears.device import to_host
-
     X = pert_data.expr.numpy()  # the host copy (dense array or CSR), never a device read
     n_cells = X.shape[0]
     sample = np.unique(np.linspace(0, max(n_cells - 1, 0), SAMPLED_CELLS).astype(np.int64))

@@ -22,13 +22,13 @@ import pandas as pd
 import scipy.sparse as sp
 import torch
 
-from gears import checkpoint as ckpt
 from gears.config import ModelConfig
 from gears.data.conditions import CTRL
 from gears.device import to_host
 from gears.errors import GearsInputError
-from gears.io import read_json, write_h5ad
+from gears.io import atomic_write, read_json, write_h5ad
 from gears.model import fork_files, spec_file
+from gears.train import checkpoint as ckpt
 
 MODEL_FILE, CONFIG_FILE = "model.pt", "config.json"
 CONTROL_CELLS_FILE = "control_cells.h5ad"
@@ -67,7 +67,7 @@ def write_prediction_inputs(
     genes = list(pert_data.gene_names)
     obs = pd.DataFrame(index=names)
     library = getattr(pert_data, "library_size", None)
-    if library is not None:  # raw counts' totals: the depth of counts output (gears/counts.py)
+    if library is not None:  # raw counts' totals: the depth of counts output (gears/eval/counts.py)
         obs["library_size"] = np.asarray(library, dtype=np.float64)[rows]
     controls = ad.AnnData(X=X, obs=obs, var=pd.DataFrame(index=genes))
     atomic_write_h5ad(controls, path / CONTROL_CELLS_FILE)
@@ -109,7 +109,7 @@ def write_model_folder(
     (model.impl=path/to/file.py:Class) is copied in with the modules beside it that it imports
     (gears.model.fork_files), and loads from there (with trust_code).
 
-    config: config.json's hyperparameters and graph settings (gears.build); graphs: "go" and
+    config: config.json's hyperparameters and graph settings (gears.train.build); graphs: "go" and
     "coexpress" -> (edge_index, edge_weight); pert_data: the PertData (or a folder's
     SavedVocabulary) whose gene and perturbation names and control mean are saved."""
     path = Path(path)
@@ -117,7 +117,7 @@ def write_model_folder(
     gene_names, pert_names = list(pert_data.gene_names), list(pert_data.pert_names)
     meta = dict(config, gene_names=gene_names, pert_names=pert_names)
     text = json.dumps(meta, indent=1)
-    ckpt.atomic_write(path / CONFIG_FILE, lambda tmp: tmp.write_text(text))
+    atomic_write(path / CONFIG_FILE, lambda tmp: tmp.write_text(text))
     state = {
         "format": ckpt.FORMAT_VERSION,
         "meta": checkpoint_meta(gene_names, pert_names, model_cfg),
@@ -132,7 +132,7 @@ def write_model_folder(
         for file in fork_files(source):
             text = file.read_text()
             name = fork.name if file == source else file.name
-            ckpt.atomic_write(path / name, lambda tmp, text=text: tmp.write_text(text))
+            atomic_write(path / name, lambda tmp, text=text: tmp.write_text(text))
     if hasattr(pert_data, "ctrl_rows"):  # a PertData, not a folder's vocabulary
         # Control cells and the input's spelling, so predict.py needs no dataset.
         write_prediction_inputs(pert_data, path, seed=seed)

@@ -3,7 +3,6 @@ thresholds."""
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import ctypes.util
 import os
@@ -156,21 +155,6 @@ def set_threads(n: int) -> int:
             numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
         torch.set_num_threads(n)
     return torch.get_num_threads()
-
-
-@contextlib.contextmanager
-def torch_threads_kept():
-    """Give torch back its intra-op thread count on exit. scanpy's numba t-test starts numba's
-    OpenMP layer, which sets the libgomp pool torch shares to NUMBA_NUM_THREADS (every logical
-    core, whatever OMP_NUM_THREADS said): a run that computes DE would then train at another
-    thread count, so with another float summation order, than one that loads it processed
-    (a resumed run on a real dataset)."""
-    before = torch.get_num_threads()
-    try:
-        yield
-    finally:
-        if torch.get_num_threads() != before:
-            torch.set_num_threads(before)
 
 
 def tune_allocator(mmap_threshold: int = 1 << 30, trim_threshold: int = _INT_MAX) -> bool:

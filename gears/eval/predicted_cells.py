@@ -6,7 +6,7 @@ cell enters only as a residual), so one network forward per perturbation serves 
 Log-expression cannot be negative, so predicted cells are clipped at 0 (cell-eval also rejects
 negative values); the per-perturbation mean kept in `.uns` is GEARS.predict's, unclipped.
 
-A saved model folder (GEARS.save_model; gears/model_folder.py) holds what prediction needs
+A saved model folder (GEARS.save_model; gears/train/saved_model.py) holds what prediction needs
 besides the weights: `control_cells.h5ad` (a seeded sample of processed control cells, genes in
 training order) and `prediction.json` (the input's perturbation column, control spelling,
 condition spellings and normalisation).
@@ -17,7 +17,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import io
-import json
 import os
 import subprocess
 from collections.abc import Sequence
@@ -29,11 +28,17 @@ import numpy as np
 import pandas as pd
 import scipy.sparse as sp
 
-from gears import cell_gears
-from gears import checkpoint as ckpt
-from gears.api import GEARS
-from gears.counts import (
-    DEFAULT_SAMPLER,
+from gears.choices import DEFAULT_SAMPLER
+from gears.data.conditions import (
+    CTRL,
+    canonical_condition,
+    canonicalize_conditions,
+    condition_genes,
+    detect_condition_key,
+)
+from gears.data.validate import gene_names_of
+from gears.errors import GearsInputError
+from gears.eval.counts import (
     MAX_COUNTS_PER_CELL,
     NB_MEAN_CELLS,
     ROWS_PER_DRAW,
@@ -43,19 +48,13 @@ from gears.counts import (
     raw_counts,
     sample_rows,
 )
-from gears.data.conditions import CTRL, canonical_condition, condition_genes
-from gears.errors import GearsInputError
+from gears.io import writable_frame, writable_uns
 from gears.model.batch import declared_covariates, reads_x
-from gears.model_folder import (
+from gears.train.saved_model import (
     CONFIG_FILE,
-    CONTROL_CELLS_FILE,
     MAX_SAVED_CONTROL_CELLS,
-    MODEL_FILE,
-    PREDICTION_FILE,
-    SavedVocabulary,
     control_sample_rows,
     csr_rows,
-    read_control_cells,
 )
 
 DEFAULT_CELLS_PER_PERTURBATION = 100
@@ -69,88 +68,6 @@ CELL_EVAL_INSTALL = (
     "cell-eval is not installed; install the optional evaluation extra with "
     "`pip install -r requirements-eval.txt` (it keeps the project's torch/numpy/pandas)"
 )
-
-
-def load_model(
-    path: str | Path,
-    device: str = "cpu",
-    data: str | Path | None = None,
-    gene2go: str | Path | None = None,
-    gene_set: str | Path | None = None,
-    trust_code: bool = False,
-):
-    """A saved model folder -> (GEARS ready to predict, prediction info dict, control AnnData).
-    trust_code: run the fork's file kept in the folder, if its config.json names one
-    (predict.py --trust-model-code; GEARS.load_pretrained).
-
-    A folder saved by cell-gears (config.pkl + model.pt) holds no names and no control cells:
-    they come from `data` (the .h5ad it was trained on), `gene2go` and `gene_set`
-    (load_cell_gears_model)."""
-    path = Path(path)
-    if cell_gears.is_cell_gears_folder(path):
-        return load_cell_gears_model(path, device, data, gene2go, gene_set)
-    if not (path / CONFIG_FILE).exists() or not (path / MODEL_FILE).exists():
-        raise GearsInputError(
-            f"{path} is not a saved GEARS model folder (no {CONFIG_FILE} / {MODEL_FILE}); "
-            "pass RUN_DIR/model of a finished training run"
-        )
-    for needed in (CONTROL_CELLS_FILE, PREDICTION_FILE):
-        if not (path / needed).exists():
-            raise GearsInputError(
-                f"{path} has no {needed}: the model was saved by an older version; load it "
-                "with its PertData and call GEARS.save_model(path) again to add the control cells"
-            )
-    meta = json.loads((path / CONFIG_FILE).read_text())
-    state = ckpt.load(path / MODEL_FILE, map_location="cpu")
-    ctrl = np.asarray(state["ctrl_expression"], dtype=np.float64)  # saved as a tensor
-    vocab = SavedVocabulary(meta["gene_names"], meta["pert_names"], ctrl)
-    model = GEARS(vocab, device=device).load_pretrained(path, trust_code=trust_code)
-    info = json.loads((path / PREDICTION_FILE).read_text())
-    controls = read_control_cells(path / CONTROL_CELLS_FILE)
-    if list(controls.var_names) != list(meta["gene_names"]):
-        raise GearsInputError(f"{path / CONTROL_CELLS_FILE} does not match the model's genes")
-    return model, info, controls
-
-
-def load_cell_gears_model(
-    path: Path,
-    device: str,
-    data: str | Path | None,
-    gene2go: str | Path | None,
-    gene_set: str | Path | None = None,
-):
-    """load_model for a cell-gears folder: the vocabulary rebuilt from `data` and `gene2go` as
-    cell-gears builds it (gears.cell_gears.cell_gears_vocabulary), the control cells a seeded
-    sample of the data's (at most MAX_SAVED_CONTROL_CELLS), conditions spelled as GEARS spells
-    them (obs 'condition': 'A+ctrl', 'A+B', 'ctrl')."""
-    if data is None or gene2go is None:
-        raise GearsInputError(
-            f"{path} is a cell-gears model folder (config.pkl + model.pt): it holds no gene "
-            "names and no control cells. Pass --data with the .h5ad it was trained on (its "
-            "<data_path>/<dataset>/perturb_processed.h5ad) and --gene2go with its "
-            "gene2go_all.pkl (plus --gene-set essential_all_data_pert_genes.pkl if it was "
-            "trained with cell-gears's default perturbation graph); docs/cell_gears_models.md"
-        )
-    if not Path(data).is_file():
-        raise GearsInputError(f"--data {data} does not exist")
-    adata = ad.read_h5ad(data, backed="r")
-    model = GEARS.from_cell_gears(path, adata, gene2go, gene_set, device=device)
-    ctrl_rows = np.flatnonzero(adata.obs["condition"].astype(str).values == CTRL)
-    rows = control_sample_rows(ctrl_rows, MAX_SAVED_CONTROL_CELLS, seed=0)
-    controls = ad.AnnData(
-        X=sp.csr_matrix(adata.X[rows], dtype=np.float32),
-        obs=pd.DataFrame(index=adata.obs_names.astype(str).values[rows]),
-        var=pd.DataFrame(index=list(model.gene_list)),
-    )
-    info = {
-        "condition_key": "condition",
-        "control_label": CTRL,
-        "condition_spelling": {},
-        "normalize_target_sum": None,
-        "n_control_cells": int(len(ctrl_rows)),
-        "n_saved_control_cells": int(len(rows)),
-    }
-    return model, info, controls
 
 
 # --------------------------------------------------------------------------- the request
@@ -362,7 +279,7 @@ def predicted_rows(
 
 
 class CountsSpec(NamedTuple):
-    """How a prediction's cells become integer counts (gears/counts.py): the training
+    """How a prediction's cells become integer counts (gears/eval/counts.py): the training
     normalisation's target sum, each saved control cell's library size [pool], each
     perturbation's depth factor [P] (the median UMI asked / the control cells' median; 1 keeps
     their depth), the sampler and its seed; for sampler nb the control cells' gene dispersions
@@ -769,8 +686,6 @@ def write_prediction(
     import h5py
     from anndata.io import write_elem
 
-    from gears.io import writable_frame, writable_uns
-
     _check_delta(delta, labels, controls)
     path = Path(path)
     plan = plan_cells(
@@ -894,7 +809,7 @@ def predict_cells(
 
     output: `lognorm` (log-normalised expression, as the model predicts it) or `counts`
     (integer counts drawn by `sampler` at the control cells' depth, or at median_umi [P] per
-    perturbation; gears/counts.py). A model of one context (prediction.json 'context') writes
+    perturbation; gears/eval/counts.py). A model of one context (prediction.json 'context') writes
     it to obs[its context key].
 
     One network forward per chunk of perturbations (GEARS.predict_changes), never one per cell.
@@ -1011,9 +926,6 @@ def real_cells_for_scoring(
     """A real .h5ad (the data's layout) -> (real cells, pred cells) ready for cell-eval: real
     labels re-spelled as the prediction's, genes in the model's order, raw counts normalised as
     in training, both restricted to the perturbations they share (plus control)."""
-    from gears.data.conditions import canonicalize_conditions, detect_condition_key
-    from gears.data.validate import gene_names_of
-
     path = Path(path)
     if not path.is_file():
         raise GearsInputError(f"--real file {path} does not exist")

@@ -11,8 +11,10 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
+from gears.cli.job import DEFAULT_CONFIG, command, load_pert_data, run
 from gears.config import Config, load_config
-from gears.distributed import (
+from gears.errors import GearsInputError, TrainingStopped
+from gears.train.distributed import (
     DistEnv,
     barrier,
     check_port_free,
@@ -27,8 +29,7 @@ from gears.distributed import (
     slurm_to_env,
     visible_gpus,
 )
-from gears.errors import GearsInputError, TrainingStopped
-from gears.runtime import auto_threads, set_threads, share_cores, wait_passively
+from gears.train.runtime import auto_threads, govern_waits, set_threads, share_cores, wait_passively
 
 
 def launched_externally() -> bool:
@@ -54,8 +55,6 @@ def batch_script_note() -> str | None:
 def worker_main(cfg: Config) -> dict | None:
     """One rank: data first (before any process group, see `build_in_stages`), then join the
     group, train, gather predictions, leave the group; rank 0 then scores alone."""
-    from gears.run import load_pert_data, run
-
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         cfg.train.resume = True  # a torchrun restart continues from the last checkpoint
     slurm_to_env()
@@ -101,9 +100,6 @@ def use_threads(n: int) -> None:
 
 def _spawned(local_rank: int, nproc: int, cfg: Config, addr: str, port: int) -> None:
     set_local_rank_env(local_rank, nproc, port, addr)
-    from gears.run import command
-    from gears.runtime import govern_waits
-
     govern_waits()  # this rank's OpenMP waits (the launcher's environment marked them)
 
     command(lambda: worker_main(cfg))
@@ -188,7 +184,5 @@ def train_multi_gpu(
             overrides.append(f"{key}={json.dumps(value)}")
     if gpu_ids is not None:
         overrides.append(f"distributed.gpu_ids={json.dumps(list(gpu_ids))}")
-    from gears.run import DEFAULT_CONFIG
-
     cfg = load_config(None, overrides, base=DEFAULT_CONFIG)
     return spawn(cfg, n_gpus or (len(gpu_ids) if gpu_ids else None))

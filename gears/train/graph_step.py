@@ -589,7 +589,8 @@ def autocast_uncached(trainer):
 
 
 class ForwardRunner:
-    """predict_deltas's forward (gears/evaluate.py) replayed like the training step: the rows in
+    """predict_deltas's forward (gears/train/evaluate.py) replayed like the training step: the rows
+    in
     chunks of `rows` (the last one padded with control rows, covariate code 0 and x 0, whose
     outputs are dropped), copied into static input buffers of the chunk's shape (perturbation
     slots, genes of x, covariate names), the network run in eval mode, its change (and
