@@ -146,6 +146,35 @@ def test_normalize_log1p_of_csr_counts_does_not_call_scanpy(monkeypatch):
     normalise(X, "log1p", copy=True, target_sum=None, log=lambda _: None)
 
 
+def test_real_cells_for_scoring_normalise_csr_counts_as_scanpy_without_it(tmp_path, monkeypatch):
+    """predict.py --real: the real file's raw counts are normalised as in training, bit for bit
+    scanpy's normalize_total + log1p, without calling it (the kernel compiled in every process)."""
+    from gears.predict import real_cells_for_scoring
+
+    X = _raw_counts(sp.csr_matrix, np.float32)
+    labels = np.array(["non-targeting", "A", "B", "C"])[np.arange(X.shape[0]) % 4]
+    genes = [f"g{i}" for i in range(X.shape[1])]
+    path = tmp_path / "real.h5ad"
+    ad.AnnData(X=X, obs={"target_gene": labels}, var=pd.DataFrame(index=genes)).write_h5ad(path)
+    pred = ad.AnnData(
+        X=np.zeros((2, len(genes)), np.float32),
+        obs={"gears_condition": ["A+ctrl", "B+ctrl"], "target_gene": ["A", "B"]},
+    )
+    pred.uns["gears_condition_key"] = "target_gene"
+    info = {"condition_key": "target_gene", "control_label": "non-targeting"}
+    info["normalize_target_sum"] = 321.0
+    keep = labels != "C"
+    want = _scanpys(X[np.flatnonzero(keep)], 321.0)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("CSR counts went through scanpy's normalize_total")
+
+    monkeypatch.setattr(sc.pp, "normalize_total", refuse)
+    real, _ = real_cells_for_scoring(path, info, genes, pred)
+    for part in ("data", "indices", "indptr"):
+        np.testing.assert_array_equal(getattr(real.X, part), getattr(want, part), strict=True)
+
+
 def test_normalize_log1p_rejects_log_normalised_data(vcc_files, tmp_path):
     h5ad, gene2go = vcc_files
     adata = ad.read_h5ad(h5ad)
