@@ -21,7 +21,7 @@ from gears.data.conditions import detect_condition_key
 from gears.data.pertdata import PertData
 from gears.data.synthetic import make_vcc_layout, write_gene2go_tsv, write_vcc_example
 from gears.errors import GearsInputError
-from gears.eval.predicted_cells import require_cell_eval
+from gears.eval.predicted_cells import real_cells_for_scoring, require_cell_eval
 from gears.train.distributed import DistEnv
 
 CELL_EVAL_METRICS = ("mae", "overlap_at_N", "discrimination_score_l1")
@@ -90,6 +90,88 @@ def test_normalize_log1p_is_scanpys_median_scaling(vcc_files, tmp_path):
         "x", raw, normalize="log1p", write=False
     )
     assert (raw.X != before).nnz == 0
+
+
+def _raw_counts(layout, dtype):
+    """Integer counts in CSR, with an empty cell and one cell beyond float32's exact integers."""
+    rng = np.random.default_rng(0)
+    dense = rng.poisson(0.7, size=(40, 30)).astype(dtype)
+    dense[3] = 0
+    dense[5, :4] = 2.0**22
+    return layout(dense)
+
+
+def _scanpys(X, target_sum):
+    work = ad.AnnData(X=X.copy())
+    sc.pp.normalize_total(work, target_sum=target_sum)
+    sc.pp.log1p(work)
+    return work.X
+
+
+@pytest.mark.parametrize("layout", [sp.csr_matrix])  # scanpy 1.11 fails on csr_array
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("target_sum", [None, 1234.5])
+def test_normalize_log1p_of_csr_counts_is_scanpys_bit_for_bit(layout, dtype, target_sum):
+    """Both normalisation paths (in memory, per chunk) equal the installed scanpy's
+    normalize_total + log1p bit for bit, though CSR counts do not go through scanpy."""
+    from gears.data.normalise import median_total, normalise
+    from gears.data.stream import normalize_log1p
+
+    X = _raw_counts(layout, dtype)
+    totals = np.asarray(X.sum(axis=1)).ravel()
+    target = median_total(totals) if target_sum is None else target_sum
+    want = _scanpys(X, target)
+    chunk = normalize_log1p(X.copy(), target)
+    whole = normalise(X, "log1p", copy=True, target_sum=target_sum, log=lambda _: None).X
+    for got in (chunk, whole):
+        assert type(got) is type(want) and got.dtype == want.dtype == dtype
+        for part in ("data", "indices", "indptr"):
+            np.testing.assert_array_equal(getattr(got, part), getattr(want, part), strict=True)
+    assert (X != _raw_counts(layout, dtype)).nnz == 0  # copy=True leaves the input as it was
+
+
+def test_normalize_log1p_of_csr_counts_does_not_call_scanpy(monkeypatch):
+    """scanpy >= 1.12 normalises CSR in a numba kernel whose on-disk cache never matches (its
+    sparse type is rebuilt on every load), so each process compiled it again: seconds a
+    command (docs/performance.md). CSR counts are scaled here in numpy instead."""
+    from gears.data.normalise import normalise
+    from gears.data.stream import normalize_log1p
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("CSR counts went through scanpy's normalize_total")
+
+    monkeypatch.setattr(sc.pp, "normalize_total", refuse)
+    X = _raw_counts(sp.csr_matrix, np.float32)
+    normalize_log1p(X.copy(), 100.0)
+    normalise(X, "log1p", copy=True, target_sum=None, log=lambda _: None)
+
+
+def test_real_cells_for_scoring_normalise_csr_counts_as_scanpy_without_it(tmp_path, monkeypatch):
+    """predict.py --real: the real file's raw counts are normalised as in training, bit for bit
+    scanpy's normalize_total + log1p, without calling it (the kernel compiled in every process)."""
+
+    X = _raw_counts(sp.csr_matrix, np.float32)
+    labels = np.array(["non-targeting", "A", "B", "C"])[np.arange(X.shape[0]) % 4]
+    genes = [f"g{i}" for i in range(X.shape[1])]
+    path = tmp_path / "real.h5ad"
+    ad.AnnData(X=X, obs={"target_gene": labels}, var=pd.DataFrame(index=genes)).write_h5ad(path)
+    pred = ad.AnnData(
+        X=np.zeros((2, len(genes)), np.float32),
+        obs={"gears_condition": ["A+ctrl", "B+ctrl"], "target_gene": ["A", "B"]},
+    )
+    pred.uns["gears_condition_key"] = "target_gene"
+    info = {"condition_key": "target_gene", "control_label": "non-targeting"}
+    info["normalize_target_sum"] = 321.0
+    keep = labels != "C"
+    want = _scanpys(X[np.flatnonzero(keep)], 321.0)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("CSR counts went through scanpy's normalize_total")
+
+    monkeypatch.setattr(sc.pp, "normalize_total", refuse)
+    real, _ = real_cells_for_scoring(path, info, genes, pred)
+    for part in ("data", "indices", "indptr"):
+        np.testing.assert_array_equal(getattr(real.X, part), getattr(want, part), strict=True)
 
 
 def test_normalize_log1p_rejects_log_normalised_data(vcc_files, tmp_path):

@@ -6,11 +6,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import anndata as ad
 import numpy as np
 
 from gears.choices import CHOICES
-from gears.data.stream import not_counts_error
+from gears.data.stream import normalize_log1p, not_counts_error
 from gears.data.validate import finite_values
 from gears.errors import GearsInputError
 
@@ -49,18 +48,14 @@ def normalise(
     check_normalize(method)
     if method == "none":
         return Normalised(X)
-    import scanpy as sc  # here, not at import: scanpy takes seconds to import
-
     values = finite_values(X)
     if np.size(values) and np.any(values != np.round(values)):
         raise not_counts_error()
     totals = np.asarray(X.sum(axis=1)).ravel()
     target = median_total(totals) if target_sum is None else float(target_sum)
-    work = ad.AnnData(X=X.copy() if copy else X)
-    sc.pp.normalize_total(work, target_sum=target)
-    sc.pp.log1p(work)
+    scaled = normalize_log1p(X.copy() if copy else X, target)
     log(
         f"normalised raw counts: each cell scaled to {target:.0f} counts "
         f"({'the median' if target_sum is None else 'as the whole data'}), then log1p"
     )
-    return Normalised(work.X, target, totals.astype(np.float64))
+    return Normalised(scaled, target, totals.astype(np.float64))

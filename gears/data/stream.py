@@ -220,7 +220,26 @@ def count_totals(X, n_rows: int, keep: np.ndarray, chunk_cells: int) -> np.ndarr
 
 def normalize_log1p(block, target_sum: float):
     """One chunk of kept rows scaled to `target_sum` counts per cell, then log1p: scanpy's
-    normalize_total + log1p, row by row the values the in-memory path computes."""
+    normalize_total + log1p, row by row the values the in-memory path computes (which calls
+    this on the whole matrix). A CSR block may be changed in place.
+
+    CSR float counts are scaled here with scanpy's arithmetic, bit for bit (each cell's total,
+    exact in float64 for integer counts, stored in the data's dtype, divided by target_sum; an
+    empty cell divided by 1; then log1p), not by scanpy: scanpy >= 1.12 runs that step in a
+    numba kernel whose on-disk cache never matches, so every process compiled it again
+    (docs/performance.md). Callers have checked that the values are integers."""
+    if isinstance(block, sp.csr_matrix | sp.csr_array) and block.dtype in (
+        np.float32,
+        np.float64,
+    ):
+        per_cell = np.diff(block.indptr)
+        rows = np.repeat(np.arange(block.shape[0]), per_cell)
+        totals = np.bincount(rows, weights=block.data, minlength=block.shape[0])
+        scale = totals.astype(block.dtype) / target_sum
+        scale = scale + (scale == 0)
+        block.data = block.data / np.repeat(scale, per_cell)
+        np.log1p(block.data, out=block.data)
+        return block
     import anndata as ad
     import scanpy as sc
 

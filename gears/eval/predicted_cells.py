@@ -954,12 +954,9 @@ def real_cells_for_scoring(
     values = X.data if sp.issparse(X) else X
     target = info.get("normalize_target_sum")
     if target is not None and np.all(values == np.round(values)):
-        import scanpy as sc
+        from gears.data.stream import normalize_log1p  # scanpy's arithmetic, CSR without scanpy
 
-        work = ad.AnnData(X=X)
-        sc.pp.normalize_total(work, target_sum=target)
-        sc.pp.log1p(work)
-        X = work.X
+        X = normalize_log1p(X, target)
     obs = pd.DataFrame(
         {pred_key: pd.Categorical([label_of[c] for c in canon])},
         index=real.obs_names.astype(str)[keep],
