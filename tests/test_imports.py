@@ -6,6 +6,7 @@ gears/eval/predicted_cells.py)."""
 from __future__ import annotations
 
 import ast
+import os
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -190,11 +191,18 @@ def test_no_two_modules_share_a_file_name():
     """`python predict.py` and gears/predict.py, train_distributed.py and
     gears/train_distributed.py were two files of one name: a traceback or a grep named either."""
     names: dict[str, list[str]] = {}
-    for path in ROOT.rglob("*.py"):
-        rel = path.relative_to(ROOT)
-        if rel.parts[0] in ("tests", ".venv") or path.name == "__init__.py":
-            continue
-        names.setdefault(path.name, []).append(str(rel))
+    for folder, dirs, files in os.walk(ROOT):
+        # the project's own files: not tests/, hidden folders or a virtual environment of any
+        # name (CI's .venv313 holds packages whose modules share names)
+        here = Path(folder)
+        dirs[:] = [
+            d
+            for d in dirs
+            if not d.startswith(".") and d != "tests" and not (here / d / "pyvenv.cfg").exists()
+        ]
+        for name in files:
+            if name.endswith(".py") and name != "__init__.py":
+                names.setdefault(name, []).append(str((here / name).relative_to(ROOT)))
     assert {n: p for n, p in names.items() if len(p) > 1} == {}
 
 
