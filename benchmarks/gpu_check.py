@@ -359,30 +359,18 @@ def injected_fault(run: CheckRun) -> None:
 # training-step tests, tests/test_ops.py): this watch lists those that read a device tensor.
 
 
-def _tensors(tree) -> list:
-    import torch
-
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    if isinstance(tree, (list, tuple)):
-        return [t for x in tree for t in _tensors(x)]
-    if isinstance(tree, dict):
-        return [t for x in tree.values() for t in _tensors(x)]
-    return []
-
-
 def sync_reason(func, args: tuple, kwargs: dict) -> str | None:
     """Why this aten op makes the host wait for the device (opcount.sync_kind: a value
     read, an output size that is data, a copy to the host), or None; only when it reads a
     device tensor (CUDA's, or the stand-in's): on the host nothing waits."""
-    from opcount import sync_kind
+    from opcount import sync_kind, tensors_in
 
     from gears.device import DeviceTensor
 
     why = sync_kind(func, args, kwargs)
     if why is None:
         return None
-    on_device = [t for t in _tensors((args, kwargs)) if t.is_cuda or isinstance(t, DeviceTensor)]
+    on_device = [t for t in tensors_in((args, kwargs)) if t.is_cuda or isinstance(t, DeviceTensor)]
     return why if on_device else None
 
 

@@ -62,14 +62,14 @@ _MASK_INDEXED += (aten._index_put_impl_,)
 _COPIES = (aten._to_copy, aten.copy_)
 
 
-def _tensors(tree) -> list[torch.Tensor]:
+def tensors_in(tree) -> list[torch.Tensor]:
     """The tensors in a nest of lists, tuples and dicts (an op's args: indices may be a list)."""
     if torch.is_tensor(tree):
         return [tree]
     if isinstance(tree, (list, tuple)):
-        return [t for x in tree for t in _tensors(x)]
+        return [t for x in tree for t in tensors_in(x)]
     if isinstance(tree, dict):
-        return [t for x in tree.values() for t in _tensors(x)]
+        return [t for x in tree.values() for t in tensors_in(x)]
     return []
 
 
@@ -92,7 +92,7 @@ def _classify(func, args: tuple, kwargs: dict) -> tuple[str, str] | None:
             )
     if packet in _MASK_INDEXED:
         indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
-        if any(t.dtype in (torch.bool, torch.uint8) for t in _tensors(indices)):
+        if any(t.dtype in (torch.bool, torch.uint8) for t in tensors_in(indices)):
             return (
                 f"{name} with a boolean mask",
                 "indexing with a boolean mask (the selected count is data)",
@@ -204,11 +204,11 @@ class HostTensorWatch(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        for t in _tensors((args, kwargs)):
+        for t in tensors_in((args, kwargs)):
             if t.dim() > 0 and t.untyped_storage().data_ptr() not in self.known:
                 self.found.append(f"{func} {tuple(t.shape)} at {project_line()}")
         out = func(*args, **kwargs)
-        self.known.update(t.untyped_storage().data_ptr() for t in _tensors(out))
+        self.known.update(t.untyped_storage().data_ptr() for t in tensors_in(out))
         return out
 
 
