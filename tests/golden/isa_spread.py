@@ -76,7 +76,7 @@ def load(run: Path) -> tuple[dict, dict]:
             flat[prefix] = v
 
     walk("", metrics)
-    state = torch.load(run / "model" / "model.pt", map_location="cpu", weights_only=False)
+    state = torch.load(run / "model" / "model.pt", map_location="cpu", weights_only=True)
     return flat, state["state_dict"]
 
 

@@ -86,7 +86,7 @@ def tensor_summary(t: torch.Tensor) -> dict:
 def summarise(run: Path) -> dict:
     metrics = json.loads((run / "metrics.json").read_text())
     metrics.pop("timing", None)
-    saved = torch.load(run / "model" / "model.pt", map_location="cpu", weights_only=False)
+    saved = torch.load(run / "model" / "model.pt", map_location="cpu", weights_only=True)
     state = saved["state_dict"]
     return {
         "metrics": metrics,
