@@ -8,6 +8,9 @@ import os
 if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
     os.environ["GEARS_OMP_WAITS"] = "governed"
     os.environ.setdefault("KMP_BLOCKTIME", "0")  # Intel OpenMP builds (no governor): no spinning
+# MKL's strict mode: the same matrix products at any thread count, which lets the training
+# thread count follow the load (gears.train.runtime.ThreadPolicy). MKL reads it at its first call.
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 from gears.cli.job import command, config_from_args, parse_args, run  # noqa: E402
 from gears.train.distributed import DistEnv, choose_device  # noqa: E402

@@ -176,7 +176,7 @@ def run_one(cmd: list[str], env: dict[str, str], out_dir: Path, data_dir: Path, 
     metrics = out_dir / "metrics.json"
     if proc.returncode == 0 and metrics.exists():
         timing = json.loads(metrics.read_text())["timing"]
-        keys = ("train_s", "total_s", "threads", "train_cells_per_s", "omp_waits")
+        keys = ("train_s", "total_s", "threads", "train_cells_per_s", "omp_waits", "thread_policy")
         record.update({k: timing.get(k) for k in keys})
     else:
         record["log_tail"] = log.read_text()[-2000:]

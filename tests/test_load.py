@@ -15,6 +15,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import TINY_CLI
 
 from gears.train import checkpoint as ckpt
@@ -38,6 +39,7 @@ THREAD_VARS = (
     "NUMBA_NUM_THREADS",
     "OMP_WAIT_POLICY",
     "GOMP_SPINCOUNT",
+    "MKL_CBWR",
 )
 LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -95,7 +97,8 @@ def test_entry_points_load_openmp_with_governed_waits(script):
     assert settings.get("GOMP_SPINCOUNT") == "300000", settings
     env: dict[str, str] = {}
     assert govern_waits_by_default(env)
-    assert env == {GOVERNED_WAITS: "governed", "KMP_BLOCKTIME": "0"}
+    # and MKL's strict mode, which lets the thread count follow the load (tests/test_threads.py)
+    assert env == {GOVERNED_WAITS: "governed", "KMP_BLOCKTIME": "0", "MKL_CBWR": "AUTO,STRICT"}
     assert not wait_passively(env)  # spawn()'s call leaves governed waits to the ranks
     if script == "train_single.py":  # (both scripts share the two lines that decide)
         mine = _user_env(OMP_DISPLAY_ENV="verbose", GOMP_SPINCOUNT="12345")
@@ -198,7 +201,9 @@ def test_busy_core_costs_no_spinning_cpu(tmp_path):
     the idle thread spun through the busy process's time slices, and the 2-thread run used
     several times the CPU of the 1-thread one (the whole job: 222 s user time for 219 s wall,
     against 18 s at 1 thread); waiting passively it does the 1-thread work plus the overhead of
-    splitting it."""
+    splitting it. The default run's thread count also follows the load (ThreadPolicy): it trains
+    on one thread fewer than its cores and gets the weights of train.threads=1, bit for bit
+    (at two threads throughout, every weight differed)."""
     if usable_cores() < 2:
         pytest.skip("needs 2 cores")
     timing = {}
@@ -228,6 +233,16 @@ def test_busy_core_costs_no_spinning_cpu(tmp_path):
     assert timing["1"]["threads"] == 1
     ratio = timing["default"]["train_cpu_s"] / timing["1"]["train_cpu_s"]
     assert ratio < 2.5, (ratio, timing)  # measured: 1.45 at load 20; spinning: 20
+    # The thread count followed the load: one thread fewer beside the busy core (the watch
+    # reads the load from the start, during the data step) ...
+    policy = timing["default"]["thread_policy"]
+    assert policy.startswith("follows load:") and f"{usable_cores() - 1} thread" in policy, policy
+    # ... and changed no bit: the weights of the run at train.threads=1.
+    weights = [
+        torch.load(tmp_path / run / "model" / "model.pt", weights_only=True)["state_dict"]
+        for run in ("default", "1")
+    ]
+    assert [k for k in weights[0] if not torch.equal(weights[0][k], weights[1][k])] == []
 
 
 # --------------------------------------------------------------------- ranks sharing a node

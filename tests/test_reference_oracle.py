@@ -208,9 +208,11 @@ def _both(*names: str) -> set:
 
 # The kernels each test runs. Evaluation: the outer sum with running statistics and the
 # per-gene layers. Training with one count for every row: the fusion MLP (controls weigh 0) and
-# the outer sum's batch-norm; with a count per row also the block-weighted batch-norm.
+# the outer sum's batch-norm, and the native one on one thread for the gene-embedding rows
+# (every row one weight); with a count per row also the block-weighted batch-norm.
 EVAL = _both("_OuterSumReluFn", "_GraphPropagateFn", "_GeneDecodeFn", "_OutputLayerFn")
 TRAIN = _both(
+    "_NativeBatchNormFn",
     "_WeightedBatchNormFn",
     "_OuterSumBatchNormReluFn",
     "_GraphPropagateFn",

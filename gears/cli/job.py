@@ -35,7 +35,14 @@ from gears.train.build import LOADER_KEYS, BuiltNetwork, new_network, train_netw
 from gears.train.distributed import DistEnv, build_in_stages, release
 from gears.train.engine import Trainer, seed_everything
 from gears.train.faults import injected_delay
-from gears.train.runtime import auto_threads, set_threads, tune_allocator, wait_report
+from gears.train.runtime import (
+    auto_threads,
+    fixed_threads_reason,
+    follow_load,
+    set_threads,
+    tune_allocator,
+    wait_report,
+)
 from gears.train.saved_model import write_model_folder
 from gears.train.state import History
 
@@ -274,9 +281,12 @@ def _run(cfg: Config, env: DistEnv, pert_data=None, later: list | None = None) -
         pert_data = load_pert_data(cfg, env)
     # After the data: scanpy's numba DE resets torch's pool. 0: this rank's share of the cores.
     threads = set_threads(cfg.train.threads or auto_threads())
+    # Fewer threads while other processes use the CPUs, where that changes no bit of the run.
+    policy = follow_load(threads, fixed_threads_reason(cfg, env.device, threads))
     tune_allocator()  # glibc keeps freed activations: no per-step page faults
     wandb_run = init_wandb(cfg, env)
     trained = train_model(cfg, env, pert_data, wandb_run)
+    policy.restore()
     if env.is_main and keep_config:
         # the resumed run's settings (train.epochs may have risen)
         cfg.save(Path(cfg.out_dir) / "config.yaml")
@@ -294,6 +304,7 @@ def _run(cfg: Config, env: DistEnv, pert_data=None, later: list | None = None) -
     results.update(scores.results)
     eval_s = time.perf_counter() - t_eval
     results["timing"] = run_timing(trained, threads, eval_s, time.perf_counter() - t_start)
+    results["timing"]["thread_policy"] = policy.report()
     results["history"] = {
         "train_loss": trained.history.train_loss,
         "val": trained.history.val,

@@ -34,6 +34,64 @@ class _AllReduceSum(torch.autograd.Function):
         return grad
 
 
+def on_one_thread(op, *args):
+    """op(*args) computed by one CPU thread: the same bits whatever torch's thread count.
+
+    Most CPU kernels split an op into pieces whose results do not depend on how many threads
+    compute them (elementwise ops, reductions over a dimension that is kept). The training-mode
+    batch-norm kernels do not: they sum each channel in one partial sum per thread, so 1 and 2
+    threads round differently (and so does a full sum, `invariant_sum`). Running them on one
+    thread keeps the training step's bits independent of the thread count, which is what lets
+    a run's threads follow the machine's load (gears/train/runtime.py, `ThreadPolicy`). On
+    other devices, and at one thread, op(*args) as it is."""
+    if torch.compiler.is_compiling() or args[0].device.type != "cpu":
+        return op(*args)  # (compiled kernels are not claimed thread-invariant: train.compile)
+    n = torch.get_num_threads()
+    if n == 1:
+        return op(*args)
+    torch.set_num_threads(1)
+    try:
+        return op(*args)
+    finally:
+        torch.set_num_threads(n)
+
+
+def invariant_sum(x: torch.Tensor) -> torch.Tensor:
+    """x.sum() with the same bits whatever torch's CPU thread count. Above 32,768 elements
+    (ATen's grain size) a full CPU sum is split into one partial sum per thread; a sum over the
+    last dimension first (split by rows, each summed whole) and then over the rest is not.
+    Below it, x.sum() itself (one thread's sum, as before)."""
+    if x.device.type != "cpu" or x.numel() < 32768 or x.dim() < 2:
+        return x.sum()
+    return x.sum(-1).sum()
+
+
+class _NativeBatchNormFn(torch.autograd.Function):
+    """torch.native_batch_norm in training mode (batch statistics, no running ones) with its
+    native backward, both on one thread (`on_one_thread`): the same values as autograd through
+    the native op at one thread, at any thread count. -> (y, batch mean, batch 1/sqrt(var+eps))."""
+
+    @staticmethod
+    def forward(ctx, x, gamma, beta, eps):
+        y, mean, invstd = on_one_thread(
+            torch.native_batch_norm, x, gamma, beta, None, None, True, 0.0, eps
+        )
+        ctx.save_for_backward(x, gamma, mean, invstd)
+        ctx.eps = eps
+        ctx.mark_non_differentiable(mean, invstd)
+        return y, mean, invstd
+
+    @staticmethod
+    def backward(ctx, dy, _dmean, _dinvstd):
+        x, gamma, mean, invstd = ctx.saved_tensors
+        mask = list(ctx.needs_input_grad[:3])
+        dx, dgamma, dbeta = on_one_thread(
+            torch.ops.aten.native_batch_norm_backward,
+            *(dy, x, gamma, None, None, mean, invstd, True, ctx.eps, mask),
+        )
+        return dx, dgamma, dbeta, None
+
+
 class _WeightedBatchNormFn(torch.autograd.Function):
     """Batch-norm with per-row weights: forward and an analytic backward in few passes.
 
@@ -110,8 +168,9 @@ class _BlockWeightedBatchNormFn(torch.autograd.Function):
             var = f @ (block_var + (block_mean - mean).square())
         elif per_block:
             parts = [
-                torch.native_batch_norm(
-                    x[u * k : (u + 1) * k], gamma, beta, None, None, True, 0.0, eps
+                on_one_thread(
+                    torch.native_batch_norm,
+                    *(x[u * k : (u + 1) * k], gamma, beta, None, None, True, 0.0, eps),
                 )
                 for u in range(blocks)
             ]
@@ -138,8 +197,9 @@ class _BlockWeightedBatchNormFn(torch.autograd.Function):
         eps, blocks = ctx.eps, ctx.blocks
         k = x.shape[0] // blocks
         r = torch.rsqrt(var + eps)
-        dx, dgamma, dbeta = torch.ops.aten.native_batch_norm_backward(
-            dy.contiguous(), x, gamma, None, None, mean, r, True, eps, [True, True, True]
+        dx, dgamma, dbeta = on_one_thread(
+            torch.ops.aten.native_batch_norm_backward,
+            *(dy.contiguous(), x, gamma, None, None, mean, r, True, eps, [True, True, True]),
         )
         # Correction to the per-block weights, an affine function of xhat = (x - mean) r.
         s = torch.rsub(f.to(r.dtype), 1.0 / x.shape[0], alpha=1.0 / k).unsqueeze(1)  # [U, 1]
@@ -343,9 +403,12 @@ class WeightedBatchNorm1d(nn.BatchNorm1d):
             # The native kernel returns the batch mean and 1/sqrt(var + eps) it normalised with:
             # the running statistics need no second pass over x (torch.var_mean cost several times
             # more: benchmarks/README.md, finding 2).
-            y, mean, invstd = torch.native_batch_norm(
-                x, self.weight, self.bias, None, None, True, 0.0, self.eps
-            )
+            if x.device.type == "cpu" and not torch.compiler.is_compiling():
+                y, mean, invstd = _NativeBatchNormFn.apply(x, self.weight, self.bias, self.eps)
+            else:
+                y, mean, invstd = torch.native_batch_norm(
+                    x, self.weight, self.bias, None, None, True, 0.0, self.eps
+                )
             var = invstd.pow(-2).sub_(self.eps).clamp_(min=0)  # (no autograd: not differentiable)
             # weight: a Python number or a 0-dim tensor (never turned into a number: a sync).
             self._update_running(mean, var, x.shape[0] * (1.0 if weight is None else weight))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from gears.model.kernels import invariant_sum
+
 
 def _group_weights(
     inverse: torch.Tensor,
@@ -48,7 +50,7 @@ class _FocalDirectionLossFn(torch.autograd.Function):
         err = abs_pow(diff, power)
         tanh = ((pred - ctrl_mean) / temperature).tanh_()
         miss = torch.sign(y - ctrl_mean).sub_(tanh)  # sign(y - ctrl) - tanh(...)
-        total = (weights * err.add_(miss.square(), alpha=lam)).sum()
+        total = invariant_sum(weights * err.add_(miss.square(), alpha=lam))
         ctx.save_for_backward(diff, tanh, miss, weights)
         ctx.power, ctx.lam, ctx.temperature = power, lam, temperature
         return total
@@ -106,4 +108,4 @@ def gears_loss(
         torch.sign(y.float() - ctrl_mean)
         - direction_surrogate(pred.float() - ctrl_mean, direction_temperature)
     ).pow(2)
-    return (weights * (err + direction_lambda * direction)).sum()
+    return invariant_sum(weights * (err + direction_lambda * direction))

@@ -55,6 +55,7 @@ from gears.train.distributed import (
 from gears.train.evaluate import EVAL_CHUNK, Evaluator
 from gears.train.faults import FaultPlan
 from gears.train.graph_step import EpochPlan, ForwardRunner, PlanUnsupported, StepRunner
+from gears.train.runtime import at_step
 from gears.train.state import (  # noqa: F401 (rng_state, set_rng_state: re-exported)
     History,
     TrainState,
@@ -582,6 +583,7 @@ class Trainer:
                 break
             if i < totals.start:
                 continue  # trained on before the stop; the loader order is fixed by the epoch
+            at_step()  # the CPU thread count follows the load, where no bit depends on it
             cond_ids = batch.uniq_cond  # host copy, only read to report a non-finite loss
             layout = self.row_layout(batch.counts)  # host tensor: costs no device sync
             batch = batch.to(self.device, non_blocking=True)

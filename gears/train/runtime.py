@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import math
 import os
 import socket
 import sys
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -192,8 +194,11 @@ GOVERNED_WAITS = "GEARS_OMP_WAITS"
 def govern_waits_by_default(environ=None) -> bool:
     """In an entry point, before torch loads libgomp: unless the user set OMP_WAIT_POLICY or
     GOMP_SPINCOUNT, mark the waits as governed by this package (`govern_waits`). Returns True
-    when it marked them. (The scripts spell out the same two lines: importing gears loads torch.)"""
+    when it marked them. Also MKL's strict reproducible mode (`MKL_CBWR`, unless set): the
+    same matrix products whatever the thread count (`ThreadPolicy`). (The scripts spell out the
+    same lines: importing gears loads torch.)"""
     environ = os.environ if environ is None else environ
+    environ.setdefault("MKL_CBWR", STRICT_MKL)
     if "OMP_WAIT_POLICY" in environ or "GOMP_SPINCOUNT" in environ:
         return False
     environ[GOVERNED_WAITS] = "governed"
@@ -278,6 +283,7 @@ class WaitGovernor:
         self.cpus = sorted(os.sched_getaffinity(0))
         self.spinning = True
         self.switches = 0
+        self.others = 0.0  # cores' worth other processes used at the last reading
         self._park = None  # the Event the parked pool's thread waits on
         self._stop = threading.Event()
         self._watch = None
@@ -330,7 +336,7 @@ class WaitGovernor:
         while not self._stop.wait(self.interval_s):
             after = cpu_sample(self.cpus)
             others = others_busy(before, after, len(self.cpus))
-            before = after
+            before, self.others = after, others
             if others >= self.engage_at:
                 calm = 0
                 self.short_waits()
@@ -364,3 +370,142 @@ def wait_report() -> str:
         return "as set"
     now = "spinning" if _governor.spinning else "short"
     return f"governed: {_governor.switches} switches, {now} now"
+
+
+# ------------------------------------------------------------ the training thread count, by load
+# MKL's strict conditional numerical reproducibility: its matrix products (gemm) give the same
+# bits at any thread count (Intel's "strict CNR", AVX2 and later). MKL reads MKL_CBWR at its first
+# call, so the entry points set it before importing gears, unless the user set MKL_CBWR.
+STRICT_MKL = "AUTO,STRICT"
+
+
+def strict_blas(environ=None) -> bool:
+    """Whether torch's matrix products are the same at every thread count: an MKL build of torch
+    run with MKL_CBWR in strict mode (the entry points set it)."""
+    environ = os.environ if environ is None else environ
+    return torch.backends.mkl.is_available() and "STRICT" in environ.get("MKL_CBWR", "").upper()
+
+
+def fixed_threads_reason(cfg, device: torch.device, threads: int) -> str | None:
+    """Why this run's CPU thread count cannot follow the load, or None when it can.
+
+    It can where the thread count changes no bit of the run: the built-in network
+    (model.impl=fast, whose training-mode batch-norms run on one thread,
+    gears.model.kernels.on_one_thread) in fp32 on a CPU, eager, with MKL's strict mode, started
+    by an entry point that governs the OpenMP waits (whose watch of the load it reads).
+    tests/test_threads.py trains at 1, 2 and changing thread counts and compares every bit."""
+    if device.type != "cpu":
+        return "not a CPU run"
+    if threads < 2:
+        return f"{threads} thread"
+    if _governor is None or not _governor.usable:
+        return "no load watch (the OpenMP waits are not governed here)"
+    if cfg.model.impl != "fast":
+        return (
+            f"model.impl={cfg.model.impl}: only the built-in network is checked to give the same "
+            "bits at any thread count"
+        )
+    if cfg.train.precision != "fp32":
+        return f"train.precision={cfg.train.precision}"
+    if cfg.train.compile:
+        return "train.compile=true"
+    if cfg.distributed.sync_batchnorm:
+        return "distributed.sync_batchnorm=true"
+    if not strict_blas():
+        return "MKL's strict mode is off (MKL_CBWR without STRICT, or not an MKL build of torch)"
+    return None
+
+
+class ThreadPolicy:
+    """The training thread's CPU thread count: the run's count while its CPUs are free, fewer
+    while other processes use them (one fewer per core's worth they use, at least one),
+    changed only at a step boundary (`at_step`), from the WaitGovernor's watch of /proc/stat.
+
+    Beside a busy process, two threads on what is left of one core wait for each other at every
+    parallel op (training slower than at one thread: docs/performance.md, "Under load"); one
+    thread does not. The count follows the load only where it changes no bit of the run
+    (`fixed_threads_reason`); elsewhere it stays fixed, as before.
+
+    GEARS_TEST_THREADS="2,1,1" (tests): the counts to take at successive step boundaries,
+    cycled, instead of the watch's."""
+
+    def __init__(self, threads: int, governor: WaitGovernor | None, fixed_reason: str | None):
+        self.threads, self.governor, self.fixed_reason = threads, governor, fixed_reason
+        self.now, self.switches, self.steps = threads, 0, 0
+        self.seconds: dict[int, float] = {}  # training time at each count
+        self.since: float | None = None  # training's clock: from the first step to `restore`
+        schedule = os.environ.get("GEARS_TEST_THREADS", "")
+        self.schedule = [max(1, int(n)) for n in schedule.split(",") if n.strip()]
+
+    def wanted(self) -> int:
+        if self.schedule:
+            return self.schedule[(self.steps - 1) % len(self.schedule)]
+        if self.governor.spinning:  # its watch found the CPUs free
+            return self.threads
+        return max(1, self.threads - math.ceil(self.governor.others - 0.05))
+
+    def at_step(self) -> None:
+        """At a step boundary, on the training thread (torch's thread count is per thread)."""
+        if self.fixed_reason is not None:
+            return
+        self.steps += 1
+        if self.since is None:
+            self.since = time.perf_counter()
+        n = self.wanted()
+        if n != self.now:
+            self._account()
+            torch.set_num_threads(n)
+            self.now, self.switches = n, self.switches + 1
+
+    def _account(self, stop: bool = False) -> None:
+        if self.since is None:
+            return
+        t = time.perf_counter()
+        self.seconds[self.now] = self.seconds.get(self.now, 0.0) + t - self.since
+        self.since = None if stop else t
+
+    def report(self) -> str:
+        """For metrics.json: "fixed (why)" or "follows load: 2 threads T2 s, 1 thread T1 s,
+        N switches" (training seconds at each count)."""
+        if self.fixed_reason is not None:
+            return f"fixed ({self.fixed_reason})"
+        spent = ", ".join(
+            f"{n} thread{'s' * (n > 1)} {s:.1f} s"
+            for n, s in sorted(self.seconds.items(), reverse=True)
+        )
+        return f"follows load: {spent}, {self.switches} switches"
+
+    def restore(self) -> None:
+        """After training: stop the clock, and back to the run's count for evaluation and
+        scoring."""
+        self._account(stop=True)
+        if self.now != self.threads:
+            torch.set_num_threads(self.threads)
+            self.now = self.threads
+
+
+_policy: ThreadPolicy | None = None
+
+
+def follow_load(threads: int, fixed_reason: str | None) -> ThreadPolicy:
+    """This process's ThreadPolicy for a run at `threads` threads (fixed where `fixed_reason`)."""
+    global _policy
+    _policy = ThreadPolicy(threads, _governor, fixed_reason)
+    return _policy
+
+
+def run_threads() -> int:
+    """The run's CPU thread count: its ThreadPolicy's while that follows the load (the training
+    thread may be below it), else torch's."""
+    return _policy.threads if threads_change_no_bit() else torch.get_num_threads()
+
+
+def threads_change_no_bit() -> bool:
+    """Whether this run's thread count changes no bit of it (its ThreadPolicy follows the load)."""
+    return _policy is not None and _policy.fixed_reason is None
+
+
+def at_step() -> None:
+    """The training loop's step boundary: the thread count follows the load (`ThreadPolicy`)."""
+    if _policy is not None:
+        _policy.at_step()

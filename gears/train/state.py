@@ -22,6 +22,7 @@ from gears.io import CheckpointWriteError
 from gears.model import code_digest, graph_buffer_names
 from gears.train import checkpoint as ckpt
 from gears.train.distributed import all_gather_objects, all_reduce_max, barrier, broadcast_object
+from gears.train.runtime import run_threads, threads_change_no_bit
 
 
 @dataclass
@@ -338,7 +339,7 @@ def training_state(trainer) -> dict:
         "scaler": trainer.scaler.state_dict(),
         "rng": rng_state(trainer.device),
         "world_size": trainer.env.world_size,
-        "cpu_threads": torch.get_num_threads(),
+        "cpu_threads": run_threads(),  # the run's, not the count a busy CPU left it
     }
 
 
@@ -442,8 +443,9 @@ def resume(trainer, asked: bool, optimizer_kernel: dict) -> bool:
     at = trainer.state
     into = at.steps_into_epoch(trainer.cfg.grad_accum_steps)
     log(f"resumed from {state['path']}: after {ckpt.position(at.epoch, into, at.step)}")
-    threads, now = state.get("cpu_threads"), torch.get_num_threads()
-    if trainer.device.type == "cpu" and threads is not None and threads != now:
+    threads, now = state.get("cpu_threads"), run_threads()
+    exact = threads_change_no_bit()  # fp32 built-in network, MKL strict: any count, same bits
+    if trainer.device.type == "cpu" and threads is not None and threads != now and not exact:
         log(
             f"note: this run has {now} CPU threads, the checkpoint's run had {threads}: float "
             "sums add in another order, so it ends near, not exactly at, where that run "
