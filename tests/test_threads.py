@@ -208,13 +208,14 @@ def same_bits(a: Path, b: Path) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.skipif(usable_cores() < 2, reason="needs 2 cores")
 def test_a_run_whose_thread_count_changes_every_step_equals_the_one_thread_run(tmp_path):
-    """train_single.py at 2 threads, then 1, then 3 and round again, changed at step boundaries
-    (GEARS_TEST_THREADS), on a screen whose every large tensor is above ATen's grain, against
+    """train_single.py at 2 threads, then 1, then 3 for two steps and round again, changed at
+    step boundaries (GEARS_TEST_THREADS; the validation after epoch 1 at 3 threads, the test
+    set's scoring after the last step at 3), on a screen whose every large tensor is above ATen's grain, against
     train.threads=1: the same weights, losses and metrics, bit for bit. Seen failing without
     on_one_thread in the batch-norms (every weight differed)."""
     data = tmp_path / "data"
     one = _train(tmp_path / "one", data, "train.threads=1")
-    changing = _train(tmp_path / "changing", data, "train.threads=2", GEARS_TEST_THREADS="2,1,3")
+    changing = _train(tmp_path / "changing", data, "train.threads=2", GEARS_TEST_THREADS="2,1,3,3")
     assert one["timing"]["thread_policy"] == "fixed (1 thread)"
     policy = changing["timing"]["thread_policy"]
     assert policy.startswith("follows load: 3 threads"), policy

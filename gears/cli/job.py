@@ -286,7 +286,7 @@ def _run(cfg: Config, env: DistEnv, pert_data=None, later: list | None = None) -
     tune_allocator()  # glibc keeps freed activations: no per-step page faults
     wandb_run = init_wandb(cfg, env)
     trained = train_model(cfg, env, pert_data, wandb_run)
-    policy.restore()
+    policy.finish()  # evaluation and scoring: at the count the load asks for now
     if env.is_main and keep_config:
         # the resumed run's settings (train.epochs may have risen)
         cfg.save(Path(cfg.out_dir) / "config.yaml")

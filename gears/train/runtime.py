@@ -475,13 +475,15 @@ class ThreadPolicy:
         )
         return f"follows load: {spent}, {self.switches} switches"
 
-    def restore(self) -> None:
-        """After training: stop the clock, and back to the run's count for evaluation and
-        scoring."""
+    def finish(self) -> None:
+        """After training: stop the clock. Evaluation and scoring then run at the count the load
+        asks for now (no bit depends on it where the count follows the load)."""
         self._account(stop=True)
-        if self.now != self.threads:
-            torch.set_num_threads(self.threads)
-            self.now = self.threads
+        if self.fixed_reason is None:
+            n = self.wanted()
+            if n != self.now:
+                torch.set_num_threads(n)
+                self.now, self.switches = n, self.switches + 1
 
 
 _policy: ThreadPolicy | None = None
