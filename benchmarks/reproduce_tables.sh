@@ -34,6 +34,8 @@
 #                                default threads vs 1, 1 and 2 ranks, spinning waits (~40 min idle)
 #   bench_load_waits             docs/performance.md "Governed waits", docs/mixed_precision.md: governed
 #                                vs passive waits vs 1 thread, compile vs eager, 1,000 genes (~60 min)
+#   bench_load_threads           docs/performance.md "Governed waits": the thread count following
+#                                the load, default vs train.threads=1, idle and busy (~12 min)
 #   bench_scale                  docs/large_screens.md: Norman, VCC and Replogle sizes, memory
 #   suite                        docs/testing.md: the test suite's time (python -m pytest -q)
 set -euo pipefail
@@ -41,7 +43,7 @@ cd "$(dirname "$0")/.."
 WORK=${WORK:-/tmp/gears_tables}
 RESULTS_TABLES="seeds_default seeds_norman seeds_gears_paper control_mean vs_cell_gears"
 ALL_TABLES="$RESULTS_TABLES vs_cell_gears_large reference_cost check_model compare_contexts \
-default_run vcc_example bench_predict counts_samplers challenge_scores bench_train bench_distributed bench_load bench_load_waits bench_scale suite"
+default_run vcc_example bench_predict counts_samplers challenge_scores bench_train bench_distributed bench_load bench_load_waits bench_load_threads bench_scale suite"
 TABLES=${TABLES:-$RESULTS_TABLES}
 [ "$TABLES" = all ] && TABLES=$ALL_TABLES
 RESULTS=benchmarks/results
@@ -188,6 +190,10 @@ PY
             # docs/performance.md's table: 2 runs per arm, about 11 minutes on 2 cores
             python benchmarks/bench_load.py --spinning --epochs 3 --repeats 2 \
                 --work "$WORK/bench_load" --json "$RESULTS/bench_load.json" ;;
+        bench_load_threads)  # the training thread count following the load, 1,000 genes
+            python benchmarks/bench_load.py --genes 1000 --epochs 1 --limit-batches 100 --repeats 4 \
+                --only 1r,1r_t1 --work "$WORK/bench_load_threads" \
+                --json "$RESULTS/bench_load_threads.json" ;;
         bench_load_waits)  # the waits and train.compile on the report's 1,000-gene screen
             python benchmarks/bench_load.py --passive --compile --genes 1000 --epochs 2 --repeats 3 \
                 --only 1r,1r_t1,1r_passive,1r_compile,2r,2r_t1 --work "$WORK/bench_load_waits" \
