@@ -210,9 +210,9 @@ def same_bits(a: Path, b: Path) -> list[str]:
 def test_a_run_whose_thread_count_changes_every_step_equals_the_one_thread_run(tmp_path):
     """train_single.py at 2 threads, then 1, then 3 for two steps and round again, changed at
     step boundaries (GEARS_TEST_THREADS; the validation after epoch 1 at 3 threads, the test
-    set's scoring after the last step at 3), on a screen whose every large tensor is above ATen's grain, against
-    train.threads=1: the same weights, losses and metrics, bit for bit. Seen failing without
-    on_one_thread in the batch-norms (every weight differed)."""
+    set's scoring after the last step at 3), on a screen whose every large tensor is above
+    ATen's grain, against train.threads=1: the same weights, losses and metrics, bit for bit.
+    Seen failing without on_one_thread in the batch-norms (every weight differed)."""
     data = tmp_path / "data"
     one = _train(tmp_path / "one", data, "train.threads=1")
     changing = _train(tmp_path / "changing", data, "train.threads=2", GEARS_TEST_THREADS="2,1,3,3")
