@@ -433,7 +433,7 @@ class ThreadPolicy:
         self.threads, self.governor, self.fixed_reason = threads, governor, fixed_reason
         self.now, self.switches, self.steps = threads, 0, 0
         self.seconds: dict[int, float] = {}  # training time at each count
-        self.since: float | None = None  # training's clock: from the first step to `restore`
+        self.since: float | None = None  # training's clock: from the first step to `finish`
         schedule = os.environ.get("GEARS_TEST_THREADS", "")
         self.schedule = [max(1, int(n)) for n in schedule.split(",") if n.strip()]
 
