@@ -102,8 +102,9 @@ def auto_threads(sharers: int | None = None) -> int:
     """The CPU threads of `train.threads=0`: this process's usable cores divided among the ranks
     of its node that share them (`share_cores`, default 1: one process takes them all, as
     torch's own default does), or 0 (leave torch's count) when the user set OMP_NUM_THREADS,
-    which torch read when it loaded. Never from measured load: the thread count fixes the
-    float summation order, so a rerun must get the same one."""
+    which torch read when it loaded. Never from measured load: where the thread count can change
+    the float summation order, a rerun must get the same one (where it cannot, `ThreadPolicy`
+    lowers the training thread's count while other processes use the CPUs)."""
     if user_thread_count() is not None:
         return 0
     return max(1, usable_cores() // (sharers or _sharers))
@@ -273,7 +274,8 @@ class WaitGovernor:
     no CPU), and lets them go when the CPUs are free again.
 
     Only when threads wait changes: never how many threads split an op, so never a result
-    (the thread count stays what `auto_threads` chose, and reruns stay bit-identical)."""
+    (the thread count stays what `auto_threads` chose, and reruns stay bit-identical; the
+    count itself changes only through `ThreadPolicy`, where no bit depends on it)."""
 
     def __init__(
         self, interval_s: float = 0.5, engage_at: float = 0.3, release_below: float = 0.15
