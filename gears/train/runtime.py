@@ -453,7 +453,9 @@ class ThreadPolicy:
         self.steps += 1
         if self.since is None:
             self.since = time.perf_counter()
-        n = self.wanted()
+        self._take(self.wanted())
+
+    def _take(self, n: int) -> None:
         if n != self.now:
             self._account()
             torch.set_num_threads(n)
@@ -482,10 +484,7 @@ class ThreadPolicy:
         asks for now (no bit depends on it where the count follows the load)."""
         self._account(stop=True)
         if self.fixed_reason is None:
-            n = self.wanted()
-            if n != self.now:
-                torch.set_num_threads(n)
-                self.now, self.switches = n, self.switches + 1
+            self._take(self.wanted())
 
 
 _policy: ThreadPolicy | None = None
