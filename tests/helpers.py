@@ -208,6 +208,20 @@ def metrics_without_timing(run_dir: Path) -> dict:
     return metrics
 
 
+def assert_same_run(run_dir: Path, reference: Path) -> None:
+    """Same weights bit for bit, and the same metrics.json except its timing fields."""
+    import torch
+
+    from gears.train import checkpoint as ckpt
+
+    got = ckpt.load(Path(run_dir) / "model" / "model.pt")["state_dict"]
+    want = ckpt.load(Path(reference) / "model" / "model.pt")["state_dict"]
+    assert got.keys() == want.keys()
+    differ = [k for k in want if not torch.equal(got[k], want[k])]
+    assert not differ, f"{len(differ)} of {len(want)} tensors differ: {differ[:5]}"
+    assert metrics_without_timing(run_dir) == metrics_without_timing(reference)
+
+
 def final_train_state(run_dir: Path):
     """The TrainState of a run's newest checkpoint (after its last epoch, for a finished run)."""
     from gears.train import checkpoint as ckpt
@@ -215,3 +229,27 @@ def final_train_state(run_dir: Path):
 
     newest = ckpt.list_checkpoints(Path(run_dir) / "checkpoints")[-1]
     return TrainState.from_checkpoint(ckpt.load(newest))
+
+
+# Settings a user's shell may hold; tests that start the scripts as a user would start from none.
+THREAD_VARS = (
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "NUMBA_NUM_THREADS",
+    "OMP_WAIT_POLICY",
+    "GOMP_SPINCOUNT",
+    "MKL_CBWR",
+)
+LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def user_env(**extra: str) -> dict[str, str]:
+    """The environment of a user who set no thread or launcher variable."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in THREAD_VARS
+        and k not in LAUNCH_VARS
+        and not k.startswith(("SLURM_", "TORCHELASTIC_", "GEARS_"))
+    }
+    return {**env, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled", **extra}

@@ -15,8 +15,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import torch
-from helpers import TINY_CLI
+from helpers import TINY_CLI, assert_same_run, user_env
 
 from gears.train import checkpoint as ckpt
 from gears.train.runtime import (
@@ -32,28 +31,6 @@ from gears.train.runtime import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-# Settings a user's shell may hold; the tests below start from none of them.
-THREAD_VARS = (
-    "OMP_NUM_THREADS",
-    "MKL_NUM_THREADS",
-    "NUMBA_NUM_THREADS",
-    "OMP_WAIT_POLICY",
-    "GOMP_SPINCOUNT",
-    "MKL_CBWR",
-)
-LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def _user_env(**extra: str) -> dict[str, str]:
-    """The environment of a user who set no thread or launcher variable."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in THREAD_VARS
-        and k not in LAUNCH_VARS
-        and not k.startswith(("SLURM_", "TORCHELASTIC_", "GEARS_"))
-    }
-    return {**env, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled", **extra}
 
 
 @contextlib.contextmanager
@@ -90,7 +67,7 @@ def test_entry_points_load_openmp_with_governed_waits(script):
     (Before: OMP_WAIT_POLICY=PASSIVE, GOMP_SPINCOUNT 0, which the second core never paid for.)"""
     cmd = [sys.executable, str(ROOT / script), "--help"]
     got = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=300, env=_user_env(OMP_DISPLAY_ENV="verbose")
+        cmd, capture_output=True, text=True, timeout=300, env=user_env(OMP_DISPLAY_ENV="verbose")
     )
     assert got.returncode == 0, got.stderr[-2000:]
     settings = _libgomp_settings(got.stderr)
@@ -101,7 +78,7 @@ def test_entry_points_load_openmp_with_governed_waits(script):
     assert env == {GOVERNED_WAITS: "governed", "KMP_BLOCKTIME": "0", "MKL_CBWR": "AUTO,STRICT"}
     assert not wait_passively(env)  # spawn()'s call leaves governed waits to the ranks
     if script == "train_single.py":  # (both scripts share the two lines that decide)
-        mine = _user_env(OMP_DISPLAY_ENV="verbose", GOMP_SPINCOUNT="12345")
+        mine = user_env(OMP_DISPLAY_ENV="verbose", GOMP_SPINCOUNT="12345")
         kept = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=mine)
         assert _libgomp_settings(kept.stderr).get("GOMP_SPINCOUNT") == "12345"
         for user in ({"OMP_WAIT_POLICY": "PASSIVE"}, {"GOMP_SPINCOUNT": "0"}):
@@ -161,7 +138,7 @@ def test_governor_switches_libgomps_waits_without_changing_threads(tmp_path):
         capture_output=True,
         text=True,
         timeout=300,
-        env=_user_env(OMP_NUM_THREADS="2"),
+        env=user_env(OMP_NUM_THREADS="2"),
     )
     assert got.returncode == 0, got.stderr[-2000:]
     spinning, short, again = map(float, got.stdout.split())
@@ -225,7 +202,7 @@ def test_busy_core_costs_no_spinning_cpu(tmp_path):
                 capture_output=True,
                 text=True,
                 timeout=900,
-                env=_user_env(),
+                env=user_env(),
             )
         assert got.returncode == 0, got.stderr[-2000:]
         timing[threads] = json.loads((tmp_path / threads / "metrics.json").read_text())["timing"]
@@ -237,12 +214,8 @@ def test_busy_core_costs_no_spinning_cpu(tmp_path):
     # reads the load from the start, during the data step) ...
     policy = timing["default"]["thread_policy"]
     assert policy.startswith("follows load:") and f"{usable_cores() - 1} thread" in policy, policy
-    # ... and changed no bit: the weights of the run at train.threads=1.
-    weights = [
-        torch.load(tmp_path / run / "model" / "model.pt", weights_only=True)["state_dict"]
-        for run in ("default", "1")
-    ]
-    assert [k for k in weights[0] if not torch.equal(weights[0][k], weights[1][k])] == []
+    # ... and changed no bit: the weights and metrics of the run at train.threads=1.
+    assert_same_run(tmp_path / "default", tmp_path / "1")
 
 
 # --------------------------------------------------------------------- ranks sharing a node
@@ -258,8 +231,8 @@ def test_sharing_ranks_counts_the_ranks_on_this_hosts_cores():
 def test_torchruns_own_omp_num_threads_is_not_the_users(tmp_path):
     """torchrun sets OMP_NUM_THREADS=1 in its workers when the user set none; the user's own 1
     is kept. The launcher's starting environment tells them apart."""
-    plain = _user_env()
-    users = _user_env(OMP_NUM_THREADS="1")
+    plain = user_env()
+    users = user_env(OMP_NUM_THREADS="1")
     worker = {"OMP_NUM_THREADS": "1", "TORCHELASTIC_RUN_ID": "x"}
     for launcher_env, want in ((plain, None), (users, 1)):
         # A launcher that prints as its last step before waiting has finished exec'ing: its
@@ -283,7 +256,7 @@ def test_a_launcher_still_starting_keeps_the_users_omp_num_threads():
     Empty is unknown, so the user's 1 is kept, never taken for torchrun's."""
     worker = {"OMP_NUM_THREADS": "1", "TORCHELASTIC_RUN_ID": "x"}
     for _ in range(40):
-        launcher = subprocess.Popen(["sleep", "60"], env=_user_env(OMP_NUM_THREADS="1"))
+        launcher = subprocess.Popen(["sleep", "60"], env=user_env(OMP_NUM_THREADS="1"))
         try:
             assert user_thread_count(worker, launcher_pid=launcher.pid) == 1
         finally:
@@ -336,7 +309,7 @@ def _probe(tmp_path: Path, how: str, cpus: str = "", **env: str) -> list[dict]:
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
         cmd += ["--nproc_per_node", "2", str(script), str(out), cpus, how]
-    env = _user_env(PROBE_PORT=str(find_free_port("127.0.0.1")), PYTHONPATH=str(ROOT), **env)
+    env = user_env(PROBE_PORT=str(find_free_port("127.0.0.1")), PYTHONPATH=str(ROOT), **env)
     got = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert got.returncode == 0, got.stderr[-3000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
@@ -369,7 +342,7 @@ def test_spawned_ranks_train_on_their_share_of_the_cores(tmp_path):
     cmd += ["device=cpu", "wandb.mode=disabled", f"data.synthetic={TINY_CLI}"]
     cmd += ["model.hidden_size=16", "train.epochs=1", "train.plot_conditions=0"]
     cmd += ["distributed.timeout_s=120"]
-    got = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_user_env())
+    got = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=user_env())
     assert got.returncode == 0, got.stderr[-3000:]
     want = max(1, usable_cores() // 2)
     assert json.loads((tmp_path / "run" / "metrics.json").read_text())["timing"]["threads"] == want

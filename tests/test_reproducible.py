@@ -15,8 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from helpers import metrics_without_timing, run_train_cli
+from helpers import assert_same_run, run_train_cli
 
 from gears.train import checkpoint as ckpt
 
@@ -50,16 +49,6 @@ def _load(kind: str):
         spinner.wait()
 
 
-def _assert_identical(run_dir: Path, reference: Path) -> None:
-    """Same weights bit for bit, and the same metrics.json except its timing fields."""
-    got = ckpt.load(run_dir / "model" / "model.pt")["state_dict"]
-    want = ckpt.load(reference / "model" / "model.pt")["state_dict"]
-    assert got.keys() == want.keys()
-    differ = [k for k in want if not torch.equal(got[k], want[k])]
-    assert not differ, f"{len(differ)} of {len(want)} tensors differ: {differ[:5]}"
-    assert metrics_without_timing(run_dir) == metrics_without_timing(reference)
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
     """One uninterrupted run on an idle machine, the one every test must reproduce."""
@@ -77,7 +66,7 @@ def test_rerun_is_bitwise_identical(tmp_path, reference, load):
     with _load(load):
         again = _run(tmp_path / "again", tmp_path / "data")
     assert again.returncode == 0, again.stderr[-2000:]
-    _assert_identical(tmp_path / "again", reference)
+    assert_same_run(tmp_path / "again", reference)
 
 
 @pytest.mark.slow
@@ -90,7 +79,7 @@ def test_sigkill_after_checkpoint_then_resume_is_bitwise_identical(tmp_path, ref
     resumed = _run(run_dir, data, "train.resume=true")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"epoch_0001.pt: after epoch 1 (step {BATCHES} in all)" in resumed.stdout
-    _assert_identical(run_dir, reference)
+    assert_same_run(run_dir, reference)
 
 
 @pytest.mark.slow
@@ -110,4 +99,4 @@ def test_sigterm_mid_epoch_then_resume_is_bitwise_identical(tmp_path, reference)
         resumed = _run(run_dir, data, rare, "train.resume=true")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f": after epoch 1 + 3 steps of epoch 2 (step {stop_at} in all)" in resumed.stdout
-    _assert_identical(run_dir, reference)
+    assert_same_run(run_dir, reference)

@@ -5,7 +5,6 @@ MKL's strict mode), so the training thread count may follow the load
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import assert_same_run, user_env
 
 from gears.config import Config
 from gears.model.kernels import WeightedBatchNorm1d, invariant_sum
@@ -103,13 +103,12 @@ def test_mkl_strict_mode_gives_matrix_products_the_same_bits_at_any_thread_count
     and 2 threads, in a process started with the entry points' MKL_CBWR (MKL reads it at its
     first call). Seen failing with MKL_CBWR unset: on this machine's MKL four of the five
     shapes split their sums by thread."""
-    env = {k: v for k, v in os.environ.items() if k not in ("MKL_CBWR", "OMP_NUM_THREADS")}
     got = subprocess.run(
         [sys.executable, "-c", GEMM_PROBE],
         capture_output=True,
         text=True,
         timeout=120,
-        env={**env, "MKL_CBWR": runtime.STRICT_MKL},
+        env=user_env(MKL_CBWR=runtime.STRICT_MKL),
     )
     assert got.returncode == 0, got.stderr[-2000:]
     assert got.stdout.strip() == "True"
@@ -169,12 +168,6 @@ def test_thread_policy_drops_a_thread_per_busy_core_and_returns_when_free(monkey
 
 def _train(out: Path, data: Path, *extra: str, **env: str) -> dict:
     """train_single.py on the wide screen (the user's environment without thread settings)."""
-    clean = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "MKL_CBWR", "OMP_WAIT_POLICY")
-        and not k.startswith("GEARS_")
-    }
     args = [
         f"out_dir={out}",
         f"data.data_dir={data}",
@@ -191,18 +184,10 @@ def _train(out: Path, data: Path, *extra: str, **env: str) -> dict:
         capture_output=True,
         text=True,
         timeout=600,
-        env={**clean, "WANDB_MODE": "disabled", **env},
+        env=user_env(**env),
     )
     assert got.returncode == 0, got.stderr[-3000:]
     return json.loads((out / "metrics.json").read_text())
-
-
-def same_bits(a: Path, b: Path) -> list[str]:
-    """The saved model's tensors that differ between two run folders."""
-    sa = torch.load(a / "model" / "model.pt", weights_only=True)["state_dict"]
-    sb = torch.load(b / "model" / "model.pt", weights_only=True)["state_dict"]
-    assert sa.keys() == sb.keys()
-    return [k for k in sa if not torch.equal(sa[k], sb[k])]
 
 
 @pytest.mark.slow
@@ -220,10 +205,7 @@ def test_a_run_whose_thread_count_changes_every_step_equals_the_one_thread_run(t
     policy = changing["timing"]["thread_policy"]
     assert policy.startswith("follows load: 3 threads"), policy
     assert "2 threads" in policy and "1 thread " in policy, policy
-    assert same_bits(tmp_path / "one", tmp_path / "changing") == []
-    for key in one:
-        if key != "timing":
-            assert one[key] == changing[key], key
+    assert_same_run(tmp_path / "changing", tmp_path / "one")
 
 
 @pytest.mark.slow
@@ -233,14 +215,13 @@ def test_no_op_of_a_training_epoch_gives_other_bits_at_two_threads():
     """benchmarks/thread_bits.py: every aten op of a few training steps at 1 and at 2 threads
     on the same inputs. Seen listing the batch-norms without on_one_thread, and the small
     matrix products with MKL_CBWR empty."""
-    env = {k: v for k, v in os.environ.items() if k not in ("MKL_CBWR", "OMP_NUM_THREADS")}
     got = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "thread_bits.py"), "--genes", "400"]
         + ["--steps", "3"],
         capture_output=True,
         text=True,
         timeout=300,
-        env=env,
+        env=user_env(),
     )
     assert got.returncode == 0, got.stderr[-2000:]
     assert ", 0 with other bits" in got.stdout, got.stdout
